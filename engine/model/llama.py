@@ -1,0 +1,231 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one dimension T; the
+attention backend is the only place that knows which token belongs to which
+sequence. Weights use fused projections (QKV, gate+up) so each layer makes
+four matmuls; ``load_weights`` takes Hugging Face names and fuses on the fly.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
+from engine.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embeddings; cos/sin computed in float32 from the positions.
+
+    The inverse frequencies are computed on the CPU (so every device sees the same
+    values) and cached per device; they are not a parameter or buffer, so the
+    model's dtype never touches them.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq_by_device:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+            self._inv_freq_by_device[device] = (1.0 / (self.theta**exponents)).to(device)
+        return self._inv_freq_by_device[device]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq(positions.device)[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCacheLayer,
+        metadata: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        c = self.config
+        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, c.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, metadata, backend):
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack; ``forward`` returns final hidden states, ``compute_logits`` the LM head."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCacheLayer],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, metadata, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into our (fused) parameters.
+
+        Raises ``ValueError`` on an unknown name, a shape mismatch, or a parameter left unset.
+        """
+        params = dict(self.named_parameters())
+        expected = {(name, shard) for name in params for shard in _shards_of(name)}
+        loaded: set[tuple[str, str | None]] = set()
+        for hf_name, tensor in named_tensors:
+            target = self._parameter_for(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"weight {hf_name!r} maps to unknown parameter {name!r}")
+            dest = params[name].data
+            if shard is not None:
+                dest = dest.narrow(0, *self._shard_range(shard))
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {hf_name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
+            dest.copy_(tensor)
+            loaded.add((name, shard))
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {sorted(missing)[:4]}")
+
+    def _parameter_for(self, hf_name: str) -> tuple[str, str | None] | None:
+        """Our parameter name (and fused shard) for a Hugging Face weight name; None to skip it."""
+        if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
+            return None
+        if hf_name == "lm_head.weight":
+            return "lm_head.weight", None
+        match = _HF_LAYER_NAME.fullmatch(hf_name)
+        if match:
+            layer, module, proj, kind = match.groups()
+            if proj in _FUSED_SHARDS:
+                fused, shard = _FUSED_SHARDS[proj]
+                return f"layers.{layer}.{_RENAMED.get(module, module)}.{fused}.{kind}", shard
+            return f"layers.{layer}.{_RENAMED.get(module, module)}.{proj}.{kind}", None
+        match = _HF_NORM_NAME.fullmatch(hf_name)
+        if match:
+            layer, norm = match.groups()
+            return f"layers.{layer}.{_RENAMED[norm]}.weight", None
+        renamed = _HF_TOP_LEVEL.get(hf_name)
+        if renamed is None:
+            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
+        return renamed, None
+
+    def _shard_range(self, shard: str) -> tuple[int, int]:
+        c = self.config
+        return {
+            "q": (0, c.q_size),
+            "k": (c.q_size, c.kv_size),
+            "v": (c.q_size + c.kv_size, c.kv_size),
+            "gate": (0, c.intermediate_size),
+            "up": (c.intermediate_size, c.intermediate_size),
+        }[shard]
+
+
+# model.layers.3.self_attn.q_proj.weight -> ("3", "self_attn", "q_proj", "weight")
+_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)")
+_HF_NORM_NAME = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight")
+_RENAMED = {"self_attn": "attn", "input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm"}
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_HF_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
+
+
+def _shards_of(param_name: str) -> tuple[str | None, ...]:
+    if ".qkv_proj." in param_name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in param_name:
+        return ("gate", "up")
+    return (None,)

@@ -1,0 +1,5 @@
+import sys
+
+from kvstorm.cli import main
+
+sys.exit(main())
