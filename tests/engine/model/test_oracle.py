@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -57,10 +59,7 @@ def test_chunked_prefill_through_the_cache_matches_transformers(real_model, real
     # Chunks of 7, 13 and the rest: each attends to the K/V the previous ones left in the paged cache.
     cuts = [0, 7, 20, len(ids)]
     logits = torch.cat(
-        [
-            runner.execute([ScheduledChunk(ids[a:b], a, blocks)], all_positions=True)
-            for a, b in zip(cuts, cuts[1:], strict=False)
-        ]
+        [runner.execute([ScheduledChunk(ids[a:b], a, blocks)], all_positions=True) for a, b in itertools.pairwise(cuts)]
     )
     error = relative_error(logits, hf_logits(hf_oracle, ids))
     assert error.max() < 1e-4, f"max relative error {error.max():.2e}"

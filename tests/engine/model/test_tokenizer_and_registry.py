@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.registry import resolve_dtype, resolve_model
+from engine.model.tokenizer import IncrementalDetokenizer
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world! This is plain ASCII.", "Emoji 🚀🔥 and accents: déjà vu, naïve.", "日本語のテキストと中文混合。"],
+)
+def test_incremental_detokenizer_reproduces_full_decode(real_tokenizer, text):
+    token_ids = real_tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(real_tokenizer)
+    deltas = [detokenizer.push(token_id) for token_id in token_ids]
+    assert "".join(deltas) == real_tokenizer.decode(token_ids) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_chat_template_adds_the_assistant_header(real_tokenizer):
+    ids = real_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    text = real_tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert real_tokenizer.eos_token_ids == frozenset({2})
+
+
+def test_alias_resolves_to_the_bundled_gguf(real_source):
+    assert real_source.kind == "gguf"
+    assert real_source.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    config = real_source.load_config()
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (
+        30,
+        576,
+        9,
+        3,
+        64,
+    )
+    assert config.tie_word_embeddings
+    assert config.vocab_size == 49152
+
+
+def test_random_preset_is_reproducible_from_its_seed():
+    source = resolve_model("random:tiny")
+    a, b, c = (source.load_model(seed=s) for s in (1, 1, 2))
+    assert torch.equal(a.embed_tokens.weight, b.embed_tokens.weight)
+    assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        source.load_tokenizer()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("no-such-model", "cannot resolve model 'no-such-model'"), ("random:huge", "unknown preset 'huge'")],
+)
+def test_unknown_models_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_model(spec)
+
+
+def test_dtype_defaults_follow_the_device():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8", torch.device("cpu"))

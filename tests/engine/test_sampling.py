@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams, make_generator, sample
+
+
+def random_logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(7)) * 3
+
+
+def test_greedy_is_argmax():
+    logits = random_logits()
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert sample(logits, params, [None] * 4) == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_reduce_to_greedy():
+    logits = random_logits()
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, seed=3),
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=3),
+    ):
+        generators = [make_generator(params, torch.device("cpu")) for _ in range(4)]
+        assert sample(logits, [params] * 4, generators) == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_only_draws_from_the_k_most_likely():
+    logits = random_logits(rows=1)
+    params = SamplingParams(temperature=5.0, top_k=3, seed=0)
+    generator = make_generator(params, torch.device("cpu"))
+    allowed = set(torch.topk(logits[0], 3).indices.tolist())
+    drawn = {sample(logits, [params], [generator])[0] for _ in range(200)}
+    assert drawn <= allowed
+    assert len(drawn) == 3
+
+
+def test_seed_makes_a_row_independent_of_its_batch_neighbours():
+    logits = random_logits()
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [sample(logits[:1], [seeded], [make_generator(seeded, torch.device("cpu"))])[0] for _ in range(3)]
+    other = SamplingParams(temperature=1.0)
+    in_batch = sample(
+        logits[:2],
+        [seeded, other],
+        [make_generator(seeded, torch.device("cpu")), make_generator(other, torch.device("cpu"))],
+    )[0]
+    assert alone == [alone[0]] * 3
+    assert in_batch == alone[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_invalid_parameters_are_rejected_with_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
