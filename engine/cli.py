@@ -50,8 +50,10 @@ def run_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     source = resolve_model(args.model)
     model = source.load_model(dtype=dtype, device=device)
+    model_load_s = time.perf_counter() - start
+    start = time.perf_counter()
     tokenizer = source.load_tokenizer()
-    load_s = time.perf_counter() - start
+    tokenizer_load_s = time.perf_counter() - start
     if args.chat:
         prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
@@ -68,7 +70,8 @@ def run_generate(args: argparse.Namespace) -> int:
     generate_s = time.perf_counter() - start
     sys.stdout.write("\n")
     print(
-        f"[{args.model} on {device} {str(dtype).removeprefix('torch.')}: loaded in {load_s:.1f} s, "
+        f"[{args.model} on {device} {str(dtype).removeprefix('torch.')}: model loaded in {model_load_s:.2f} s, "
+        f"tokenizer in {tokenizer_load_s:.2f} s, "
         f"{len(prompt_ids)} prompt + {num_tokens} generated tokens in {generate_s:.2f} s "
         f"({num_tokens / generate_s:.1f} tokens/s)]",
         file=sys.stderr,

@@ -83,8 +83,9 @@ def iter_gguf_weights(
                 f"{sorted(t.name for t in SUPPORTED_TENSOR_TYPES)}"
             )
         hf_name, layer_kind = _hf_name(tensor.name)
-        # Always a fresh array: the reader's data is a read-only memory map of the file.
-        weights = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if not weights.flags.writeable:  # an F32 tensor comes back as a view of the read-only memory map
+            weights = weights.copy()
         weights = weights.reshape(tuple(reversed([int(d) for d in tensor.shape])))
         if config.architecture == "llama" and layer_kind in ("attn_q", "attn_k"):
             num_heads = config.num_heads if layer_kind == "attn_q" else config.num_kv_heads
