@@ -3,38 +3,84 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
-from engine.generate import generate_token_ids
-from engine.model.registry import resolve_device, resolve_dtype, resolve_model
+from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import IncrementalDetokenizer
-from engine.model_runner import ModelRunner
 from engine.sampling import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
+_SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file, HF directory or random:<preset>")
-    parser.add_argument(
-        "--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16"
+def parse_bytes(text: str) -> int:
+    """'512MiB', '1.5GiB', '4096' -> bytes (binary units whether or not the 'i' is written)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512MiB, 2GiB)")
+    unit = (match["unit"] or "").upper()[:1] if (match["unit"] or "").upper() != "B" else "B"
+    return int(float(match["number"]) * _UNITS[unit])
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults_cache, defaults_sched = CacheConfig(), SchedulerConfig()
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file, HF directory or random:<preset>")
+    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
+    group.add_argument("--block-size", type=int, default=defaults_cache.block_size, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", type=parse_bytes, default="1GiB", help="device KV pool budget")
+    group.add_argument("--swap-space", type=parse_bytes, default="1GiB", help="host swap pool budget")
+    group.add_argument("--watermark", type=float, default=defaults_cache.watermark)
+    group.add_argument("--max-num-seqs", type=int, default=defaults_sched.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int, default=defaults_sched.max_num_batched_tokens)
+    group.add_argument("--no-chunked-prefill", action="store_true", help="schedule prompts whole")
+    group.add_argument(
+        "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    group.add_argument("--debug-invariants", action="store_true", help="check block invariants after every step")
+    group.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            swap_space=args.swap_space,
+            watermark=args.watermark,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            preemption_mode=PreemptionMode(args.preemption_mode),
+        ),
+        debug_invariants=args.debug_invariants,
+        seed=args.seed,
+    )
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
-    add_model_arguments(parser)
+    add_engine_arguments(parser)
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.set_defaults(handler=run_generate)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="makes sampling reproducible")
+    parser.set_defaults(handler=run_generate, kv_cache_memory=parse_bytes("256MiB"), swap_space=0)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -43,37 +89,32 @@ def run_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        seed=args.seed,
+        seed=args.sampling_seed,
     )
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     start = time.perf_counter()
-    source = resolve_model(args.model)
-    model = source.load_model(dtype=dtype, device=device)
-    model_load_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokenizer = source.load_tokenizer()
-    tokenizer_load_s = time.perf_counter() - start
-    if args.chat:
-        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    else:
-        prompt_ids = tokenizer.encode(args.prompt)
-    num_blocks = -(-(len(prompt_ids) + params.max_tokens) // args.block_size)
-    runner = ModelRunner(model, num_blocks=num_blocks, block_size=args.block_size)
+    engine = LLMEngine(engine_config_from_args(args))
+    load_s = time.perf_counter() - start
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"{args.model!r} has no tokenizer; generate needs text")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    request = engine.add_request(prompt, params)
     detokenizer = IncrementalDetokenizer(tokenizer)
     start = time.perf_counter()
-    num_tokens = 0
-    for token_id in generate_token_ids(runner, prompt_ids, params, tokenizer.eos_token_ids):
-        num_tokens += 1
-        sys.stdout.write(detokenizer.push(token_id))
-        sys.stdout.flush()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            for token_id in output.new_token_ids:
+                sys.stdout.write(detokenizer.push(token_id))
+            sys.stdout.flush()
     generate_s = time.perf_counter() - start
     sys.stdout.write("\n")
     print(
-        f"[{args.model} on {device} {str(dtype).removeprefix('torch.')}: model loaded in {model_load_s:.2f} s, "
-        f"tokenizer in {tokenizer_load_s:.2f} s, "
-        f"{len(prompt_ids)} prompt + {num_tokens} generated tokens in {generate_s:.2f} s "
-        f"({num_tokens / generate_s:.1f} tokens/s)]",
+        f"[{args.model} on {engine.device} {str(engine.dtype).removeprefix('torch.')}: "
+        f"model loaded in {engine.load_timings['model_s']:.2f} s, tokenizer in "
+        f"{engine.load_timings['tokenizer_s']:.2f} s, engine ready in {load_s:.2f} s, "
+        f"{request.num_prompt_tokens} prompt + {request.num_output_tokens} generated tokens in {generate_s:.2f} s "
+        f"({request.num_output_tokens / generate_s:.1f} tokens/s), "
+        f"finish reason {request.status.value}]",
         file=sys.stderr,
     )
     return 0

@@ -1,87 +1,143 @@
-"""Turns scheduled chunks into tensors, runs the model over the paged KV cache, returns logits.
+"""Executes the scheduler's decisions: block moves, the batched forward pass, sampling.
 
 This is the only engine module that touches device tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.attention.kv_cache import allocate_kv_cache
+from engine.attention.kv_cache import PagedKVCache, move_blocks
 from engine.model.llama import LlamaForCausalLM
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """New tokens of one sequence for this step.
-
-    ``num_computed_tokens`` tokens of the sequence are already in the cache; the
-    new ones take positions after them. ``block_ids`` is the sequence's block
-    table and must already cover ``num_computed_tokens + len(token_ids)`` slots.
-    """
-
-    token_ids: Sequence[int]
-    num_computed_tokens: int
-    block_ids: Sequence[int]
+from engine.outputs import ScheduledRequest, SchedulerOutput
+from engine.sampling import make_generator, sample
 
 
 class ModelRunner:
-    """Owns the model and the device KV cache; executes one step at a time."""
+    """Owns the model, the device KV cache, the host swap cache and each request's random stream."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.num_blocks = num_blocks
         parameter = next(model.parameters())
         self.device = parameter.device
-        self.kv_caches = allocate_kv_cache(model.config, num_blocks, block_size, parameter.dtype, self.device)
+        self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)
+        self.host_cache = PagedKVCache(
+            model.config,
+            num_host_blocks,
+            block_size,
+            parameter.dtype,
+            "cpu",
+            pin_memory=self.device.type == "cuda",
+        )
+        self._generators: dict[str, torch.Generator | None] = {}
 
-    def slot_of(self, block_ids: Sequence[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+    @property
+    def num_device_blocks(self) -> int:
+        return self.device_cache.num_blocks
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns the sampled token of every request that ``needs_sample``."""
+        self.swap_out(output.blocks_to_swap_out)
+        self.swap_in(output.blocks_to_swap_in)
+        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy)
+        to_sample = [s for s in output.scheduled if s.needs_sample]
+        if not output.scheduled:
+            return {}
+        logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
+        if not to_sample:
+            return {}
+        tokens = sample(
+            logits,
+            [s.sampling_params for s in to_sample],
+            [self._generator(s) for s in to_sample],
+            [s.banned_token_ids for s in to_sample],
+        )
+        return {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
+
+    def swap_out(self, block_pairs: Sequence[tuple[int, int]]) -> None:
+        move_blocks(self.device_cache, self.host_cache, block_pairs)
+
+    def swap_in(self, block_pairs: Sequence[tuple[int, int]]) -> None:
+        move_blocks(self.host_cache, self.device_cache, block_pairs)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget the random streams of requests that are done."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ScheduledChunk], all_positions: bool = False) -> torch.Tensor:
-        """Logits [num_chunks, vocab] of each chunk's last token, or [total_tokens, vocab] with ``all_positions``."""
+    def forward(
+        self, chunks: Sequence[ScheduledRequest], positions_to_keep: Sequence[bool] | None = None
+    ) -> torch.Tensor:
+        """Logits [num_kept, vocab] of each kept chunk's last token; of every position without ``positions_to_keep``."""
         input_ids, positions, metadata = self.prepare_inputs(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
-        if not all_positions:
-            hidden = hidden[metadata.query_start_loc[1:] - 1]
+        hidden = self.model(input_ids, positions, self.device_cache.layers, metadata)
+        if positions_to_keep is not None:
+            last_rows = [
+                end - 1 for end, keep in zip(metadata.query_start_loc_cpu[1:], positions_to_keep, strict=True) if keep
+            ]
+            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64, device=self.device)]
         return self.model.compute_logits(hidden)
 
-    def prepare_inputs(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def measure_copy_bandwidth(self, num_blocks: int = 8) -> float:
+        """Bytes/s of a device -> host block move, timed once at start (feeds the preemption cost model)."""
+        num_blocks = min(num_blocks, self.device_cache.num_blocks, self.host_cache.num_blocks)
+        if num_blocks == 0:
+            return 1e9
+        pairs = [(i, i) for i in range(num_blocks)]
+        self.swap_out(pairs)  # warm-up
+        self._synchronize()
+        start = time.perf_counter()
+        self.swap_out(pairs)
+        self._synchronize()
+        return num_blocks * self.device_cache.bytes_per_block / max(time.perf_counter() - start, 1e-9)
+
+    def measure_prefill_throughput(self, num_tokens: int = 128) -> float:
+        """Tokens/s of one prefill of ``num_tokens`` tokens (writes only blocks no request owns yet)."""
+        num_tokens = min(num_tokens, self.device_cache.num_blocks * self.block_size)
+        blocks = list(range(-(-num_tokens // self.block_size)))
+        chunk = ScheduledRequest(token_ids=[0] * num_tokens, num_computed_tokens=0, block_ids=blocks)
+        self.forward([chunk], positions_to_keep=[True])  # warm-up
+        self._synchronize()
+        start = time.perf_counter()
+        self.forward([chunk], positions_to_keep=[True])
+        self._synchronize()
+        return num_tokens / max(time.perf_counter() - start, 1e-9)
+
+    def prepare_inputs(
+        self, chunks: Sequence[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        block_size = self.block_size
         for chunk in chunks:
             start, end = chunk.num_computed_tokens, chunk.num_computed_tokens + len(chunk.token_ids)
-            if len(chunk.block_ids) * self.block_size < end:
+            if len(chunk.block_ids) * block_size < end:
                 raise ValueError(f"block table of {len(chunk.block_ids)} blocks cannot hold {end} tokens")
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
-            slots.extend(self.slot_of(chunk.block_ids, position) for position in range(start, end))
+            slots.extend(chunk.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end))
             query_lens.append(end - start)
             seq_lens.append(end)
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        block_tables = [list(c.block_ids) + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
-        query_start_loc = [0]
-        for query_len in query_lens:
-            query_start_loc.append(query_start_loc[-1] + query_len)
-
-        def on_device(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        metadata = AttentionMetadata(
-            query_start_loc=on_device(query_start_loc),
-            seq_lens=on_device(seq_lens),
-            slot_mapping=on_device(slots),
-            block_tables=on_device(block_tables),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+        metadata = AttentionMetadata.build(
+            query_lens, seq_lens, slots, [c.block_ids for c in chunks], block_size, self.device
         )
-        return on_device(token_ids), on_device(positions), metadata
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        return as_tensor(token_ids), as_tensor(positions), metadata
+
+    def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
+        if scheduled.request_id not in self._generators:
+            self._generators[scheduled.request_id] = make_generator(scheduled.sampling_params, self.device)
+        return self._generators[scheduled.request_id]
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

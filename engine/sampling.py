@@ -23,6 +23,10 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Text that ends the request; the output is cut before it.
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    # No stop token (EOS or stop_token_ids) can be sampled before this many tokens are out.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,6 +37,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
     def is_greedy(self) -> bool:
@@ -50,8 +62,14 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    banned_token_ids: Sequence[frozenset[int]] | None = None,
 ) -> list[int]:
-    """One token id per row of ``logits`` [B, vocab]."""
+    """One token id per row of ``logits`` [B, vocab]; a row's banned ids are never drawn."""
+    if banned_token_ids is not None and any(banned_token_ids):
+        logits = logits.clone()
+        for row, banned in enumerate(banned_token_ids):
+            if banned:
+                logits[row, list(banned)] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
     return [greedy[i] if p.is_greedy else _sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
 

@@ -27,7 +27,7 @@ from kvstorm.benchdoc import update_section
 PROMPT = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 64
 KVSTORM_STATS = re.compile(
-    r"model loaded in (?P<model>[\d.]+) s, tokenizer in (?P<tokenizer>[\d.]+) s, "
+    r"model loaded in (?P<model>[\d.]+) s, tokenizer in (?P<tokenizer>[\d.]+) s, (engine ready in [\d.]+ s, )?"
     r"(?P<prompt>\d+) prompt \+ (?P<generated>\d+) generated tokens in (?P<generate>[\d.]+) s"
 )
 # The peer: transformers loading the same GGUF and generating greedily with its KV cache.

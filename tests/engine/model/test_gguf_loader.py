@@ -13,7 +13,8 @@ import transformers
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.gguf_loader import open_gguf, permute_rotary_rows, read_gguf_config, unpermute_rotary_rows
 from engine.model.registry import resolve_model
-from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledRequest
 from tests.engine.model.gguf_writer import write_llama_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -70,8 +71,8 @@ def test_gguf_logits_match_transformers_loading_the_same_file(tmp_path: Path, ti
     ).eval()
     with torch.inference_mode():
         reference = reference_model(torch.tensor([TOKENS])).logits[0]
-    runner = ModelRunner(resolve_model(str(path)).load_model(), num_blocks=4, block_size=4)
-    ours = runner.execute([ScheduledChunk(TOKENS, 0, [3, 0, 2])], all_positions=True)
+    runner = ModelRunner(resolve_model(str(path)).load_model(), num_device_blocks=4, num_host_blocks=0, block_size=4)
+    ours = runner.forward([ScheduledRequest(TOKENS, 0, [3, 0, 2])])
     error = (ours - reference).abs().amax() / reference.abs().amax()
     assert error < 1e-4
 

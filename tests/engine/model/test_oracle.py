@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
-from engine.generate import generate_token_ids
-from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.llm_engine import LLM
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledRequest
 from engine.sampling import SamplingParams
 
 PROMPTS = [
@@ -33,7 +34,11 @@ def hf_logits(hf_oracle, token_ids: list[int]) -> torch.Tensor:
 
 
 def make_runner(model, num_blocks: int = 64) -> ModelRunner:
-    return ModelRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    return ModelRunner(model, num_device_blocks=num_blocks, num_host_blocks=0, block_size=BLOCK_SIZE)
+
+
+def make_llm(model, tokenizer) -> LLM:
+    return LLM(tokenizer=tokenizer, loaded_model=model, kv_cache_memory=64 << 20, swap_space=0)
 
 
 def test_logits_match_transformers_at_every_position_in_one_mixed_batch(real_model, real_tokenizer, hf_oracle):
@@ -45,8 +50,8 @@ def test_logits_match_transformers_at_every_position_in_one_mixed_batch(real_mod
         block_tables.append(list(range(next_block + num_blocks - 1, next_block - 1, -1)))
         next_block += num_blocks + 1
     runner = make_runner(real_model, num_blocks=next_block)
-    chunks = [ScheduledChunk(ids, 0, blocks) for ids, blocks in zip(prompts, block_tables, strict=True)]
-    ours = runner.execute(chunks, all_positions=True).split([len(ids) for ids in prompts])
+    chunks = [ScheduledRequest(ids, 0, blocks) for ids, blocks in zip(prompts, block_tables, strict=True)]
+    ours = runner.forward(chunks).split([len(ids) for ids in prompts])
     for ids, logits in zip(prompts, ours, strict=True):
         error = relative_error(logits, hf_logits(hf_oracle, ids))
         assert error.max() < 1e-4, f"prompt of {len(ids)} tokens: max relative error {error.max():.2e}"
@@ -58,9 +63,7 @@ def test_chunked_prefill_through_the_cache_matches_transformers(real_model, real
     blocks = list(range(10))
     # Chunks of 7, 13 and the rest: each attends to the K/V the previous ones left in the paged cache.
     cuts = [0, 7, 20, len(ids)]
-    logits = torch.cat(
-        [runner.execute([ScheduledChunk(ids[a:b], a, blocks)], all_positions=True) for a, b in itertools.pairwise(cuts)]
-    )
+    logits = torch.cat([runner.forward([ScheduledRequest(ids[a:b], a, blocks)]) for a, b in itertools.pairwise(cuts)])
     error = relative_error(logits, hf_logits(hf_oracle, ids))
     assert error.max() < 1e-4, f"max relative error {error.max():.2e}"
 
@@ -68,7 +71,7 @@ def test_chunked_prefill_through_the_cache_matches_transformers(real_model, real
 def test_greedy_chat_answer_matches_transformers_generate(real_model, real_tokenizer, hf_oracle):
     prompt_ids = real_tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(max_tokens=32, temperature=0.0)
-    ours = list(generate_token_ids(make_runner(real_model), prompt_ids, params, real_tokenizer.eos_token_ids))
+    ours = make_llm(real_model, real_tokenizer).generate([prompt_ids], params)[0].token_ids
     with torch.inference_mode():
         reference = hf_oracle.generate(
             torch.tensor([prompt_ids]),
@@ -84,6 +87,7 @@ def test_greedy_chat_answer_matches_transformers_generate(real_model, real_token
 def test_seeded_sampling_is_reproducible(real_model, real_tokenizer, seed):
     prompt_ids = real_tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}])
     params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=seed)
-    first = list(generate_token_ids(make_runner(real_model), prompt_ids, params))
-    second = list(generate_token_ids(make_runner(real_model), prompt_ids, params))
-    assert first == second
+    llm = make_llm(real_model, real_tokenizer)
+    first, second = llm.generate([prompt_ids, prompt_ids], params)
+    assert first.token_ids == second.token_ids
+    assert first.token_ids == llm.generate([prompt_ids], params)[0].token_ids

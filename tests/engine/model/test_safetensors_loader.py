@@ -12,7 +12,8 @@ import transformers
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.registry import resolve_model
 from engine.model.safetensors_loader import INDEX_FILE, safetensors_files
-from engine.model_runner import ModelRunner, ScheduledChunk
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledRequest
 
 TOKENS = [5, 88, 400, 2, 17, 17, 311, 64, 9]
 
@@ -45,8 +46,8 @@ def test_sharded_checkpoint_logits_match_transformers(tmp_path: Path, variant: s
     source = resolve_model(str(tmp_path))
     assert source.kind == "safetensors"
     assert source.load_config() == config
-    runner = ModelRunner(source.load_model(), num_blocks=8, block_size=4)
-    ours = runner.execute([ScheduledChunk(TOKENS, 0, [6, 1, 4])], all_positions=True)
+    runner = ModelRunner(source.load_model(), num_device_blocks=8, num_host_blocks=0, block_size=4)
+    ours = runner.forward([ScheduledRequest(TOKENS, 0, [6, 1, 4])])
     with torch.inference_mode():
         reference = reference_model(torch.tensor([TOKENS])).logits[0]
     assert ((ours - reference).abs().amax() / reference.abs().amax()) < 1e-5

@@ -1,0 +1,69 @@
+"""Engine configuration: frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+GiB = 1 << 30
+
+
+class PreemptionMode(str, Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+    AUTO = "auto"  # per victim, whichever the cost model says is cheaper
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and the byte budgets of the device pool and the host swap pool."""
+
+    block_size: int = 16
+    kv_cache_memory: int = 1 * GiB
+    swap_space: int = 1 * GiB
+    # Fraction of device blocks kept free when admitting new requests, so running ones can grow.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits and the preemption policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill")
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Longest prompt + output; None means the model's own context length.
+    max_model_len: int | None = None
+    # Check every block-pool invariant after every step (slow; for tests and debugging).
+    debug_invariants: bool = False
+    seed: int = 0

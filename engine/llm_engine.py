@@ -1,0 +1,305 @@
+"""The engine: requests in, one ``step()`` at a time, outputs out; and ``LLM`` for offline batches.
+
+step():  schedule -> swap / copy -> run the model -> sample -> update queues
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.attention.kv_cache import kv_cache_bytes_per_block
+from engine.block_pool import BlockPool
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager, num_blocks_for
+from engine.model.llama import LlamaForCausalLM
+from engine.model.registry import resolve_device, resolve_dtype, resolve_model
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model_runner import ModelRunner
+from engine.outputs import PreemptionEvent, RequestOutput, SchedulerOutput, SchedulerStats
+from engine.preemption import PreemptionPolicy
+from engine.request import Request, RequestStatus
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did and how long it took."""
+
+    num_scheduled: int
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_swapped_in_blocks: int
+    num_swapped_out_blocks: int
+    num_preemptions: int
+    duration_s: float
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model.
+
+    ``add_request`` rejects (``ValueError``) a request that can never fit; it
+    never fails later for lack of memory: it waits, is preempted, or runs.
+    """
+
+    PREEMPTION_LOG_SIZE = 10_000
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        model: LlamaForCausalLM | None = None,
+    ) -> None:
+        """``model`` and ``tokenizer``, when given, are used instead of loading ``config.model`` again."""
+        self.config = config
+        source = resolve_model(config.model)
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        if model is None:
+            device = resolve_device(config.device)
+            model = source.load_model(dtype=resolve_dtype(config.dtype, device), device=device, seed=config.seed)
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self.load_timings = {"model_s": time.perf_counter() - start}
+        self.model_config = model.config
+        start = time.perf_counter()
+        self.tokenizer = tokenizer if tokenizer is not None or source.kind == "random" else source.load_tokenizer()
+        self.load_timings["tokenizer_s"] = time.perf_counter() - start
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings
+        )
+
+        cache = config.cache
+        self.bytes_per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        num_device_blocks = cache.kv_cache_memory // self.bytes_per_block
+        if num_device_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {self.bytes_per_block} bytes"
+            )
+        num_host_blocks = cache.swap_space // self.bytes_per_block
+        self.runner = ModelRunner(model, num_device_blocks, num_host_blocks, cache.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
+        )
+        self.preemption_policy = PreemptionPolicy(
+            config.scheduler.preemption_mode,
+            self.bytes_per_block,
+            copy_bytes_per_s=self.runner.measure_copy_bandwidth(),
+            prefill_tokens_per_s=self.runner.measure_prefill_throughput(),
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.preemption_policy, cache.watermark)
+        self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
+        self.last_step: StepStats | None = None
+        self._stop_checkers: dict[str, _StopStringChecker] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_ts: float | None = None,
+    ) -> Request:
+        """Queue a request; ``ValueError`` with the numbers if it is malformed or can never fit."""
+        prompt_ids = self._prompt_ids(prompt)
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                f"exceeds the model's context of {self.max_model_len} tokens"
+            )
+        blocks = num_blocks_for(total, self.config.cache.block_size)
+        if blocks > self.kv_cache_manager.device_pool.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks "
+                f"but the whole KV pool has {self.kv_cache_manager.device_pool.num_blocks}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        request = Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else frozenset(),
+        )
+        if arrival_ts is not None:
+            request.arrival_ts = arrival_ts
+        self.scheduler.add_request(request)
+        if params.stop:
+            self._stop_checkers[request.request_id] = _StopStringChecker(self.tokenizer, params.stop)
+        return request
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort now: the request leaves its queue and its blocks are free before this returns."""
+        self._stop_checkers.pop(request_id, None)
+        self.runner.release([request_id])
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduler_output)
+        outputs = self._apply_stop_strings(self.scheduler.update_from_output(scheduler_output, sampled))
+        self.runner.release(o.request_id for o in outputs if o.finished)
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        self._record(scheduler_output, time.perf_counter() - start)
+        return outputs
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+        return prompt_ids
+
+    def _apply_stop_strings(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        if not self._stop_checkers:
+            return outputs
+        checked = []
+        for output in outputs:
+            checker = self._stop_checkers.get(output.request_id)
+            if checker is not None:
+                matched = checker.push(output.new_token_ids)
+                if matched is not None and not output.finished:
+                    self.scheduler.finish_request(output.request_id, RequestStatus.FINISHED_STOPPED, matched)
+                    output = replace(output, finish_reason=RequestStatus.FINISHED_STOPPED.value, stop_reason=matched)
+                if output.finished:
+                    del self._stop_checkers[output.request_id]
+            checked.append(output)
+        return checked
+
+    def _record(self, output: SchedulerOutput, duration_s: float) -> None:
+        num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
+        self.preemption_log.extend(output.preemptions)
+        if num_prefill > output.num_batched_tokens // 2:
+            self.preemption_policy.observe_prefill(output.num_batched_tokens, duration_s)
+        self.last_step = StepStats(
+            num_scheduled=len(output.scheduled),
+            num_batched_tokens=output.num_batched_tokens,
+            num_prefill_tokens=num_prefill,
+            num_swapped_in_blocks=len(output.blocks_to_swap_in),
+            num_swapped_out_blocks=len(output.blocks_to_swap_out),
+            num_preemptions=len(output.preemptions),
+            duration_s=duration_s,
+        )
+
+
+class _StopStringChecker:
+    """Detokenizes one request's output and reports the first stop string that appears."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.longest = max(len(s) for s in stop)
+        self.text = ""
+
+    def push(self, token_ids: list[int]) -> str | None:
+        # Text already searched cannot hold a match, except one that ends in the new text.
+        search_from = max(0, len(self.text) - self.longest + 1)
+        for token_id in token_ids:
+            self.text += self.detokenizer.push(token_id)
+        found = [(pos, s) for s in self.stop if (pos := self.text.find(s, search_from)) >= 0]
+        return min(found)[1] if found else None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stop_reason: int | str | None
+    num_preemptions: int
+
+
+class LLM:
+    """Offline batch generation: submit everything, step until all are done, return in input order."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        tokenizer: Tokenizer | None = None,
+        loaded_model: LlamaForCausalLM | None = None,
+        **options: object,
+    ) -> None:
+        cache_fields = set(CacheConfig.__dataclass_fields__)
+        scheduler_fields = set(SchedulerConfig.__dataclass_fields__)
+        unknown = set(options) - cache_fields - scheduler_fields - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        config = EngineConfig(
+            model=model,
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_fields}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_fields}),
+            **{k: v for k, v in options.items() if k not in cache_fields | scheduler_fields},
+        )
+        self.engine = LLMEngine(config, tokenizer, loaded_model)
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Completion]:
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        now = time.monotonic()
+        requests = [
+            # Strictly increasing arrival times keep the submission order as the scheduling order.
+            self.engine.add_request(prompt, p, arrival_ts=now + i * 1e-9)
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    final[output.request_id] = output
+        tokenizer = self.engine.tokenizer
+        return [
+            Completion(
+                request_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=r.output_token_ids,
+                text=_visible_text(tokenizer, r) if tokenizer else None,
+                finish_reason=final[r.request_id].finish_reason,
+                stop_reason=r.stop_reason,
+                num_preemptions=r.num_preemptions,
+            )
+            for r in requests
+        ]
+
+
+def _visible_text(tokenizer: Tokenizer, request: Request) -> str:
+    """Decoded output, cut before the stop string that ended it."""
+    text = tokenizer.decode(request.output_token_ids)
+    if isinstance(request.stop_reason, str):
+        text = text[: text.find(request.stop_reason)]
+    return text

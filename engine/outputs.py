@@ -1,0 +1,101 @@
+"""Plain data that crosses module boundaries: the scheduler's decisions, step results, stats.
+
+No torch here: the scheduler emits these, the model runner turns them into tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import PreemptionMode
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    ``token_ids`` take positions ``num_computed_tokens ..`` and their K/V go to
+    ``block_ids`` (the request's whole block table, already large enough). When
+    ``needs_sample`` the chunk reaches the request's last token and the step
+    samples its next one.
+    """
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    request_id: str = ""
+    needs_sample: bool = True
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    # Stop tokens masked out of this step's sampling (min_tokens not reached yet).
+    banned_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class PreemptionEvent:
+    request_id: str
+    mode: PreemptionMode
+    num_blocks: int
+    num_computed_tokens: int
+    ts: float
+    # Why this mode: "requested", "cheaper", or "host_pool_full" (a swap that fell back to recompute).
+    reason: str
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner must do this step, in order: swap out, swap in, copy, run."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
+    preemptions: list[PreemptionEvent] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None  # "stop", "length", "abort" once finished
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_device_blocks: int
+    num_device_blocks: int
+    num_free_host_blocks: int
+    num_host_blocks: int
+    num_preemptions: int
+
+    @property
+    def device_usage(self) -> float:
+        return 1 - self.num_free_device_blocks / self.num_device_blocks if self.num_device_blocks else 0.0
+
+    @property
+    def host_usage(self) -> float:
+        return 1 - self.num_free_host_blocks / self.num_host_blocks if self.num_host_blocks else 0.0

@@ -1,0 +1,87 @@
+"""A request's state as the scheduler and the engine share it. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)  # identity: queues find a request by what it is, not by equal fields
+class Request:
+    """One generation request.
+
+    The one rule of scheduling: the request needs ``num_tokens`` tokens in the
+    KV cache and has ``num_computed_tokens`` of them; each step hands it some of
+    the difference. When it catches up, its last logits give the next token.
+    A prefill, a chunk, a decode and a recompute after preemption are all the
+    same arithmetic.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_ts: float = field(default_factory=time.monotonic)
+    # Token ids that end the request unless sampling_params.ignore_eos (the tokenizer's EOS ids).
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    first_scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    finished_ts: float | None = None
+    # The stop token id or stop string that ended the request, if one did.
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens this request can ever hold: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt followed by output."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def banned_token_ids(self) -> frozenset[int]:
+        """Tokens that may not be sampled yet: every stop token until ``min_tokens`` are out."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return frozenset()
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)

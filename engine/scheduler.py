@@ -1,0 +1,275 @@
+"""One step's decision: who runs, how many tokens each, which blocks move, who is preempted.
+
+No prefill or decode phase: every request needs ``num_tokens`` tokens in the
+cache and has ``num_computed_tokens``; a step hands out the token budget in
+three phases:
+
+1. running requests, oldest first (a decode is 1 token, an unfinished prompt
+   its next chunk); when one cannot get a block, the newest running request is
+   preempted (swap or recompute) until it can;
+2. swapped-out requests come back, oldest first (only in a step without
+   preemption);
+3. waiting requests are admitted, oldest first (only once nothing is swapped
+   out), their prompts chunked to the budget, while free blocks stay above the
+   watermark.
+
+The output is plain data (``SchedulerOutput``); the model runner executes it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Iterable
+
+from engine.config import PreemptionMode, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import PreemptionEvent, RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
+from engine.preemption import PreemptionPolicy
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting, running and swapped queues (each ordered by arrival).
+
+    Finished or aborted requests leave every queue and return their blocks at
+    once (in ``update_from_output`` or ``abort_request``).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        preemption_policy: PreemptionPolicy,
+        watermark: float = 0.01,
+    ) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.preemption_policy = preemption_policy
+        self.num_watermark_blocks = int(watermark * kv_cache_manager.device_pool.num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        _insert_by_arrival(self.waiting, request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop the request from every queue and free its blocks now; False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """End a request the engine decided is done (e.g. a stop string matched)."""
+        request = self.requests[request_id]
+        request.stop_reason = stop_reason
+        self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = [self.config.max_num_batched_tokens]  # boxed so the phases can spend it
+        self._schedule_running(budget, output)
+        if not output.preemptions:
+            self._schedule_swapped(budget, output)
+            if not self.swapped:
+                self._schedule_waiting(budget, output)
+        return output
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        """Advance every scheduled request; append sampled tokens; finish and free what is done."""
+        now = time.monotonic()
+        results = []
+        for scheduled in output.scheduled:
+            request = self.requests[scheduled.request_id]
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if not scheduled.needs_sample:
+                continue
+            token_id = sampled[request.request_id]
+            request.output_token_ids.append(token_id)
+            if request.first_token_ts is None:
+                request.first_token_ts = now
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            results.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[token_id],
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    finish_reason=status.value if status else None,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        return results
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            num_free_device_blocks=self.kv.device_pool.num_free_blocks,
+            num_device_blocks=self.kv.device_pool.num_blocks,
+            num_free_host_blocks=self.kv.host_pool.num_free_blocks,
+            num_host_blocks=self.kv.host_pool.num_blocks,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- phases -------------------------------------------------------------------------------
+
+    def _schedule_running(self, budget: list[int], output: SchedulerOutput) -> None:
+        index = 0
+        while index < len(self.running) and budget[0] > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget[0])
+            if num_new == 0:
+                break
+            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]  # the newest arrival; never one already scheduled this step
+                self._preempt(victim, output)
+                if victim is request:
+                    return
+            self._schedule(request, num_new, budget, output)
+            index += 1
+
+    def _schedule_swapped(self, budget: list[int], output: SchedulerOutput) -> None:
+        while self.swapped and budget[0] > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._num_new_tokens(request, budget[0])
+            if num_new == 0:
+                break
+            total_blocks = self.kv.num_swapped_blocks(request.request_id) + self.kv.num_new_blocks_needed(
+                request.request_id, request.num_computed_tokens + num_new
+            )
+            if self.kv.device_pool.num_free_blocks - total_blocks < self.num_watermark_blocks:
+                break
+            output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
+            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            _insert_by_arrival(self.running, request)
+            self._schedule(request, num_new, budget, output)
+
+    def _schedule_waiting(self, budget: list[int], output: SchedulerOutput) -> None:
+        while self.waiting and budget[0] > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request, budget[0])
+            if num_new == 0:
+                break
+            total = request.num_computed_tokens + num_new
+            if self.kv.allocate_slots(request.request_id, total, self.num_watermark_blocks) is None:
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_ts is None:
+                request.first_scheduled_ts = time.monotonic()
+            _insert_by_arrival(self.running, request)
+            self._schedule(request, num_new, budget, output)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens this request gets now: all it lacks, or (chunked prefill) as many as the budget allows."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.config.enable_chunked_prefill else 0
+
+    def _schedule(self, request: Request, num_new: int, budget: list[int], output: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        output.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.token_ids(start, start + num_new),
+                num_computed_tokens=start,
+                block_ids=list(self.kv.block_ids(request.request_id)),
+                needs_sample=start + num_new == request.num_tokens,
+                sampling_params=request.sampling_params,
+                banned_token_ids=request.banned_token_ids(),
+            )
+        )
+        budget[0] -= num_new
+
+    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        num_blocks = len(self.kv.block_ids(victim.request_id))
+        num_computed_tokens = victim.num_computed_tokens
+        mode, reason = self.preemption_policy.choose(
+            num_blocks, victim.num_computed_tokens, self.kv.can_swap_out(victim.request_id)
+        )
+        if mode is PreemptionMode.SWAP:
+            output.blocks_to_swap_out.extend(self.kv.swap_out(victim.request_id))
+            victim.status = RequestStatus.SWAPPED
+            _insert_by_arrival(self.swapped, victim)
+        else:
+            self.kv.free(victim.request_id)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            _insert_by_arrival(self.waiting, victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        output.preemptions.append(
+            PreemptionEvent(
+                request_id=victim.request_id,
+                mode=mode,
+                num_blocks=num_blocks,
+                num_computed_tokens=num_computed_tokens,
+                ts=time.monotonic(),
+                reason=reason,
+            )
+        )
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        is_stop_token = token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in request.eos_token_ids
+        )
+        if is_stop_token and request.num_output_tokens >= params.min_tokens:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+                break
+        self.kv.free(request.request_id)
+        request.status = status
+        request.finished_ts = time.monotonic()
+        del self.requests[request.request_id]
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        queued = _ids(self.waiting) | _ids(self.running) | _ids(self.swapped)
+        if queued != set(self.requests):
+            raise AssertionError(f"queues hold {sorted(queued)} but live requests are {sorted(self.requests)}")
+        owners = set(self.kv.device_tables) | set(self.kv.host_tables)
+        if not owners <= _ids(self.running) | _ids(self.swapped):
+            raise AssertionError(f"blocks held by requests that are not running or swapped: {sorted(owners)}")
+
+
+def _insert_by_arrival(queue: list[Request], request: Request) -> None:
+    bisect.insort(queue, request, key=lambda r: r.arrival_ts)
+
+
+def _ids(requests: Iterable[Request]) -> set[str]:
+    return {r.request_id for r in requests}
