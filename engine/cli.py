@@ -10,7 +10,7 @@ import time
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import IncrementalDetokenizer
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?", re.IGNORECASE)

@@ -24,7 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import PreemptionEvent, RequestOutput, SchedulerOutput, SchedulerStats
 from engine.preemption import PreemptionPolicy
 from engine.request import Request, RequestStatus
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
@@ -123,6 +123,13 @@ class LLMEngine:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks "
                 f"but the whole KV pool has {self.kv_cache_manager.device_pool.num_blocks}"
+            )
+        budget = self.config.scheduler.max_num_batched_tokens
+        if not self.config.scheduler.enable_chunked_prefill and total > budget:
+            # Unchunked, a prompt (or a recompute of prompt + output) must fit one step's budget.
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens exceeds max_num_batched_tokens ({budget}) "
+                "and chunked prefill is off"
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")

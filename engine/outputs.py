@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import PreemptionMode
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

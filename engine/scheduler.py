@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterable
 
 from engine.config import PreemptionMode, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.outputs import PreemptionEvent, RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from engine.preemption import PreemptionPolicy
 from engine.request import Request, RequestStatus
@@ -154,13 +154,12 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget[0])
             if num_new == 0:
                 break
-            total_blocks = self.kv.num_swapped_blocks(request.request_id) + self.kv.num_new_blocks_needed(
-                request.request_id, request.num_computed_tokens + num_new
-            )
-            if self.kv.device_pool.num_free_blocks - total_blocks < self.num_watermark_blocks:
+            total = request.num_computed_tokens + num_new
+            num_blocks = max(self.kv.num_swapped_blocks(request.request_id), num_blocks_for(total, self.kv.block_size))
+            if self.kv.device_pool.num_free_blocks - num_blocks < self._num_reserved_blocks():
                 break
             output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
-            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            self.kv.allocate_slots(request.request_id, total)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             _insert_by_arrival(self.running, request)
@@ -173,7 +172,7 @@ class Scheduler:
             if num_new == 0:
                 break
             total = request.num_computed_tokens + num_new
-            if self.kv.allocate_slots(request.request_id, total, self.num_watermark_blocks) is None:
+            if self.kv.allocate_slots(request.request_id, total, self._num_reserved_blocks()) is None:
                 break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
@@ -183,6 +182,10 @@ class Scheduler:
             self._schedule(request, num_new, budget, output)
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _num_reserved_blocks(self) -> int:
+        """Blocks new work must leave free: the watermark, which exists for running requests to grow into."""
+        return self.num_watermark_blocks if self.running else 0
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens this request gets now: all it lacks, or (chunked prefill) as many as the budget allows."""
@@ -240,7 +243,8 @@ class Scheduler:
         is_stop_token = token_id in params.stop_token_ids or (
             not params.ignore_eos and token_id in request.eos_token_ids
         )
-        if is_stop_token and request.num_output_tokens >= params.min_tokens:
+        # The token just appended was sampled after num_output_tokens - 1 others: allowed once that reached min_tokens.
+        if is_stop_token and request.num_output_tokens > params.min_tokens:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, make_generator, sample
+from engine.sampling import make_generator, sample
+from engine.sampling_params import SamplingParams
 
 
 def random_logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:

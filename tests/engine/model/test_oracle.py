@@ -10,7 +10,7 @@ import torch
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

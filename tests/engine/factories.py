@@ -1,0 +1,69 @@
+"""Factories for scheduler tests that need no model: a scheduler over tiny pools and a fake runner."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.block_pool import BlockPool
+from engine.config import PreemptionMode, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import RequestOutput, SchedulerOutput
+from engine.preemption import PreemptionPolicy
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BLOCK_SIZE = 4
+FAKE_TOKEN = 7
+_arrivals = itertools.count()
+
+
+def make_scheduler(
+    num_blocks: int = 11,
+    num_host_blocks: int = 16,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    enable_chunked_prefill: bool = True,
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+    watermark: float = 0.0,
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=enable_chunked_prefill,
+        preemption_mode=preemption_mode,
+    )
+    kv = KVCacheManager(BlockPool(num_blocks, "device"), BlockPool(num_host_blocks, "host"), BLOCK_SIZE)
+    return Scheduler(config, kv, PreemptionPolicy(preemption_mode, bytes_per_block=1024), watermark)
+
+
+def make_request(prompt_len: int, max_tokens: int = 8, request_id: str | None = None, **params: object) -> Request:
+    arrival = next(_arrivals)
+    return Request(
+        request_id=request_id or f"r{arrival}",
+        prompt_token_ids=[(arrival + i) % 100 + 1 for i in range(prompt_len)],
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
+        arrival_ts=float(arrival),
+    )
+
+
+def make_requests(n: int, prompt_len: int, max_tokens: int = 8) -> list[Request]:
+    return [make_request(prompt_len, max_tokens) for _ in range(n)]
+
+
+def fake_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    """One step with a runner that 'samples' FAKE_TOKEN for every request that needs a token."""
+    output = scheduler.schedule()
+    sampled = {s.request_id: FAKE_TOKEN for s in output.scheduled if s.needs_sample}
+    return output, scheduler.update_from_output(output, sampled)
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
+    steps = []
+    while scheduler.has_unfinished_requests():
+        if len(steps) >= max_steps:
+            raise AssertionError(f"not finished after {max_steps} steps")
+        output, _ = fake_step(scheduler)
+        scheduler.check_invariants()
+        steps.append(output)
+    return steps
