@@ -1,0 +1,100 @@
+"""Greedy output must not depend on preemption: the real model, 32 requests, a KV pool far too small.
+
+Swap must be bit-identical to a run with an ample pool. Recompute may diverge
+only where the reference's top-2 logit margin is below 1e-4; each such
+position is printed.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention.kv_cache import kv_cache_bytes_per_block
+from engine.config import PreemptionMode
+from engine.llm_engine import LLM
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledRequest
+from engine.sampling_params import SamplingParams
+
+TEXT = (
+    "The history of computing is a story of memory. Early machines stored a few thousand words in "
+    "mercury delay lines and magnetic drums; programmers counted every cell. Virtual memory freed them "
+    "from that accounting by splitting memory into pages and mapping them on demand, so that a program "
+    "saw one contiguous address space while its pages lived wherever the system found room. Decades "
+    "later the same idea came back to serve language models: the attention cache of each conversation "
+    "grows token by token, and reserving the longest possible cache for every request wastes most of it. "
+    "Cutting the cache into fixed blocks lets many more conversations share one accelerator."
+)
+NUM_REQUESTS = 32
+BLOCK_SIZE = 16
+NUM_SMALL_POOL_BLOCKS = 20
+MARGIN = 1e-4
+
+
+@pytest.fixture(scope="module")
+def workload(real_tokenizer):
+    rng = random.Random(0)
+    ids = real_tokenizer.encode(TEXT)
+    prompts, params = [], []
+    for _ in range(NUM_REQUESTS):
+        length = rng.randint(4, 90)
+        start = rng.randint(0, len(ids) - length)
+        prompts.append(ids[start : start + length])
+        params.append(SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True))
+    return prompts, params
+
+
+def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionMode):
+    bytes_per_block = kv_cache_bytes_per_block(real_model.config, BLOCK_SIZE, torch.float32)
+    llm = LLM(
+        tokenizer=real_tokenizer,
+        loaded_model=real_model,
+        kv_cache_memory=num_blocks * bytes_per_block,
+        swap_space=64 * bytes_per_block,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=NUM_REQUESTS,
+        max_num_batched_tokens=256,
+        preemption_mode=mode,
+        debug_invariants=True,
+    )
+    prompts, params = workload
+    completions = llm.generate(prompts, params)
+    assert llm.engine.kv_cache_manager.device_pool.num_free_blocks == num_blocks
+    assert llm.engine.kv_cache_manager.host_pool.num_free_blocks == 64
+    return completions, list(llm.engine.preemption_log)
+
+
+@pytest.fixture(scope="module")
+def reference(real_model, real_tokenizer, workload):
+    completions, preemptions = run(real_model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE)
+    assert not preemptions
+    return completions
+
+
+def test_swap_preemption_is_bit_identical(real_model, real_tokenizer, workload, reference):
+    completions, preemptions = run(real_model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP)
+    assert sum(p.mode is PreemptionMode.SWAP for p in preemptions) >= 5, "the pool must force real swapping"
+    assert sum(c.num_preemptions > 0 for c in completions) >= 3
+    for ours, expected in zip(completions, reference, strict=True):
+        assert ours.token_ids == expected.token_ids, f"{ours.request_id} diverged after swap"
+
+
+def test_recompute_preemption_diverges_only_at_near_ties(real_model, real_tokenizer, workload, reference):
+    completions, preemptions = run(
+        real_model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.RECOMPUTE
+    )
+    assert sum(p.mode is PreemptionMode.RECOMPUTE for p in preemptions) >= 5, "the pool must force recomputes"
+    runner = ModelRunner(real_model, num_device_blocks=16, num_host_blocks=0, block_size=BLOCK_SIZE)
+    for ours, expected in zip(completions, reference, strict=True):
+        if ours.token_ids == expected.token_ids:
+            continue
+        position = next(i for i, (a, b) in enumerate(zip(ours.token_ids, expected.token_ids, strict=True)) if a != b)
+        context = expected.prompt_token_ids + expected.token_ids[:position]
+        logits = runner.forward([ScheduledRequest(context, 0, list(range(16)))], positions_to_keep=[True])[0]
+        top2 = logits.topk(2).values
+        margin = float(top2[0] - top2[1])
+        print(f"{ours.request_id}: diverged at output position {position}, top-2 margin {margin:.2e}")
+        assert margin < MARGIN, f"{ours.request_id} diverged at {position} with a clear margin {margin:.2e}"
