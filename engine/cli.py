@@ -7,6 +7,7 @@ import re
 import sys
 import time
 
+from engine.attention.selector import BACKENDS
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -32,6 +33,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file, HF directory or random:<preset>")
     group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    group.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
     group.add_argument("--block-size", type=int, default=defaults_cache.block_size, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default="1GiB", help="device KV pool budget")
@@ -52,6 +54,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         cache=CacheConfig(
             block_size=args.block_size,

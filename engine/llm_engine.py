@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
+from engine.attention.selector import make_attention_backend
 from engine.block_pool import BlockPool
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for
@@ -65,7 +66,9 @@ class LLMEngine:
         start = time.perf_counter()
         if model is None:
             device = resolve_device(config.device)
-            model = source.load_model(dtype=resolve_dtype(config.dtype, device), device=device, seed=config.seed)
+            dtype = resolve_dtype(config.dtype, device)
+            backend = make_attention_backend(config.attention_backend, device, dtype)
+            model = source.load_model(dtype=dtype, device=device, backend=backend, seed=config.seed)
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.load_timings = {"model_s": time.perf_counter() - start}

@@ -1,16 +1,24 @@
-"""Reference attention over the paged KV cache in plain PyTorch (the CPU default).
+"""Attention over the paged KV cache with PyTorch ops (the reference, and the CPU default).
 
-Decodes (one new token each) are batched into one padded attention over their
-gathered blocks; prefill chunks attend one sequence at a time, straight from
-the new K/V when nothing of the sequence is cached yet.
+Decodes (one new token each) are attended in one batch by a pluggable decode
+kernel: the pure-torch reference (gather blocks, padded SDPA) or the compiled
+CPU kernel that reads blocks in place. Prefill chunks attend one sequence at a
+time with SDPA, straight from the new K/V when nothing of the sequence is
+cached yet.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata, KVCacheLayer
+from kernels.cpu_decode_attention import paged_decode_attention_reference
+
+# (q [B, H, D], k_cache, v_cache, block_tables [B, max_blocks], seq_lens [B], scale) -> [B, H, D]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 def write_kv_to_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, slot_mapping: torch.Tensor) -> None:
@@ -29,6 +37,9 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 class TorchAttentionBackend:
     """Writes K/V into the paged cache, then attends: decodes in one batch, prefill chunks one by one."""
 
+    def __init__(self, decode_kernel: DecodeKernel = paged_decode_attention_reference) -> None:
+        self.decode_kernel = decode_kernel
+
     def forward(
         self,
         q: torch.Tensor,
@@ -41,7 +52,14 @@ class TorchAttentionBackend:
         write_kv_to_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode_indices:
-            out[metadata.decode_token_rows] = decode_attention(q[metadata.decode_token_rows], kv_cache, metadata, scale)
+            out[metadata.decode_token_rows] = self.decode_kernel(
+                q[metadata.decode_token_rows],
+                kv_cache[0],
+                kv_cache[1],
+                metadata.decode_block_tables,
+                metadata.decode_seq_lens,
+                scale,
+            )
         decodes = set(metadata.decode_indices)
         starts = metadata.query_start_loc_cpu
         for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
@@ -58,33 +76,14 @@ class TorchAttentionBackend:
         return out
 
 
-def decode_attention(
-    q: torch.Tensor, kv_cache: KVCacheLayer, metadata: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """q: [D, H, hd], one token per sequence, each attending to its whole context. Returns [D, H, hd]."""
-    keys = gather_blocks(kv_cache[0], metadata.decode_block_tables)  # [D, S, KVH, hd]
-    values = gather_blocks(kv_cache[1], metadata.decode_block_tables)
-    max_len = keys.shape[1]
-    # Padding past each sequence's length (zero blocks, stale rows) must get no weight.
-    mask = torch.arange(max_len, device=q.device)[None, :] < metadata.decode_seq_lens[:, None]  # [D, S]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [D, H, 1, hd]
-        keys.transpose(1, 2),  # [D, KVH, S, hd]
-        values.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.squeeze(2)
-
-
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ``q`` (the last ``len(q)`` positions of the context) over ``keys``/``values``.
 
     q: [Q, H, hd]; keys, values: [S, KVH, hd] with S >= Q. Returns [Q, H, hd].
     """
     query_len, seq_len = q.shape[0], keys.shape[0]
-    qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+    # 4-D [1, heads, len, hd]: PyTorch's CPU flash kernel only takes batched inputs (3-D falls back to math).
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, keys, values))
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -92,4 +91,4 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -7,6 +7,9 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_decode_attention_reference
+
+DECODE_KERNELS = {"reference": paged_decode_attention_reference, "cpu": paged_decode_attention_cpu}
 
 
 def dense_causal_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -35,7 +38,8 @@ def random_mixed_batch(generator: torch.Generator, num_seqs: int) -> list[tuple[
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_size, seed):
+@pytest.mark.parametrize("decode_kernel", list(DECODE_KERNELS))
+def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_size, seed, decode_kernel):
     generator = torch.Generator().manual_seed(seed)
     head_dim, scale = 16, 16**-0.5
     shapes = random_mixed_batch(generator, num_seqs=7)
@@ -65,7 +69,7 @@ def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_
     metadata = AttentionMetadata.build(
         [q for _, q in shapes], [s for s, _ in shapes], slots, block_tables, block_size, torch.device("cpu")
     )
-    out = TorchAttentionBackend().forward(
+    out = TorchAttentionBackend(DECODE_KERNELS[decode_kernel]).forward(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), metadata, scale
     )
     reference = torch.cat(expected)

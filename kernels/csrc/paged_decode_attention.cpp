@@ -1,0 +1,89 @@
+// Decode attention straight from the paged KV cache on the CPU: one query token per
+// sequence, grouped-query heads, float32. Every K and V row of a sequence's context is
+// read exactly once, for all query heads; nothing is gathered into a contiguous copy.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+void paged_decode_attention(
+    torch::Tensor out,           // [B, H, D] float32, written
+    torch::Tensor q,             // [B, H, D] float32
+    torch::Tensor k_cache,       // [num_blocks, block_size, KVH, D] float32 (rows contiguous in D)
+    torch::Tensor v_cache,       // same shape and strides as k_cache
+    torch::Tensor block_tables,  // [B, max_blocks] int64
+    torch::Tensor seq_lens,      // [B] int64
+    double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "cache rows must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "metadata must be contiguous");
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t block_stride = k_cache.stride(0), row_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  // One task per sequence: its blocks are read front to back, all KV heads of a row together,
+  // so every cache line of the context is touched once per pass (K, then V).
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [num_heads, len]
+    std::vector<float> accum(num_heads * head_dim);
+    std::vector<float> inv_sums(num_heads);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t len = lens[seq];
+      const float* query = q_ptr + seq * num_heads * head_dim;
+      const int64_t* table = tables + seq * max_blocks;
+      scores.resize(num_heads * len);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* row = k_ptr + table[pos / block_size] * block_stride + (pos % block_size) * row_stride;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          const float* key = row + (head / group) * head_stride;
+          const float* qh = query + head * head_dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+          scores[head * len + pos] = dot * fscale;
+        }
+      }
+      for (int64_t head = 0; head < num_heads; ++head) {
+        float* row = scores.data() + head * len;
+        const float max_score = *std::max_element(row, row + len);
+        float sum = 0.0f;
+        for (int64_t pos = 0; pos < len; ++pos) {
+          row[pos] = std::exp(row[pos] - max_score);
+          sum += row[pos];
+        }
+        inv_sums[head] = 1.0f / sum;
+      }
+      std::fill(accum.begin(), accum.end(), 0.0f);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* row = v_ptr + table[pos / block_size] * block_stride + (pos % block_size) * row_stride;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          const float* value = row + (head / group) * head_stride;
+          const float weight = scores[head * len + pos];
+          float* acc = accum.data() + head * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * value[d];
+        }
+      }
+      float* dst = out_ptr + seq * num_heads * head_dim;
+      for (int64_t head = 0; head < num_heads; ++head) {
+        for (int64_t d = 0; d < head_dim; ++d) dst[head * head_dim + d] = accum[head * head_dim + d] * inv_sums[head];
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32, CPU)");
+}
