@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
+from pathlib import Path
 
 from engine.attention.selector import BACKENDS
+from engine.bench_offline import BenchReport, run_offline_bench
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -121,3 +124,36 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "offline", help="w1-throughput: kvstorm vs transformers static and continuous batching, one run"
+    )
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default="4GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes")
+    parser.add_argument("--kvstorm-only", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per system before it is killed")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+
+
+def run_bench_offline(args: argparse.Namespace) -> BenchReport:
+    options = {
+        "kv_cache_memory": args.kv_cache_memory,
+        "swap_space": 0,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    report = run_offline_bench(
+        num_requests=args.num_requests,
+        kvstorm_options=options,
+        static_batch_sizes=[int(size) for size in args.static_batch_sizes.split(",")],
+        include_transformers=not args.kvstorm_only,
+        timeout_s=args.timeout,
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.data, indent=2))
+    return report

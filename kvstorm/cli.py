@@ -8,15 +8,39 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-from engine.cli import add_generate_parser
+from engine.cli import add_bench_offline_parser, add_generate_parser, run_bench_offline
+from kvstorm.benchdoc import update_section
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstorm", description="continuous-batching LLM engine and chaos harness")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
+    bench = subparsers.add_parser("bench", help="benchmarks that print numbers and record them in docs/benchmarks.md")
+    bench.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    bench_subparsers = bench.add_subparsers(dest="bench", required=True)
+    add_bench_offline_parser(bench_subparsers)
+    bench_subparsers.choices["offline"].set_defaults(handler=_bench_handler(run_bench_offline, "offline"))
     return parser
+
+
+def _bench_handler(run, section: str):
+    """Run a benchmark, print its report, and record it in docs/benchmarks.md with the command line."""
+
+    def handler(args: argparse.Namespace) -> int:
+        report = run(args)
+        command = "kvstorm " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvstorm") else None
+        markdown = f"## `kvstorm bench {section}`\n\n{report.markdown}"
+        if command:
+            markdown += f"\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
+        print(markdown)
+        if not args.no_docs:
+            update_section(f"bench-{section}", markdown)
+        return 0
+
+    return handler
 
 
 def main(argv: list[str] | None = None) -> int:
