@@ -31,14 +31,6 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
-
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 

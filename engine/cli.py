@@ -134,8 +134,10 @@ def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> No
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default="4GiB")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes")
-    parser.add_argument("--kvstorm-only", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes ('' for none)")
+    parser.add_argument(
+        "--no-continuous", action="store_true", help="skip transformers' continuous batching (the slowest peer)"
+    )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per system before it is killed")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
 
@@ -150,8 +152,8 @@ def run_bench_offline(args: argparse.Namespace) -> BenchReport:
     report = run_offline_bench(
         num_requests=args.num_requests,
         kvstorm_options=options,
-        static_batch_sizes=[int(size) for size in args.static_batch_sizes.split(",")],
-        include_transformers=not args.kvstorm_only,
+        static_batch_sizes=[int(size) for size in args.static_batch_sizes.split(",") if size],
+        include_continuous=not args.no_continuous,
         timeout_s=args.timeout,
     )
     if args.json is not None:

@@ -60,10 +60,6 @@ class SchedulerOutput:
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in)
-
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -91,11 +87,3 @@ class SchedulerStats:
     num_free_host_blocks: int
     num_host_blocks: int
     num_preemptions: int
-
-    @property
-    def device_usage(self) -> float:
-        return 1 - self.num_free_device_blocks / self.num_device_blocks if self.num_device_blocks else 0.0
-
-    @property
-    def host_usage(self) -> float:
-        return 1 - self.num_free_host_blocks / self.num_host_blocks if self.num_host_blocks else 0.0

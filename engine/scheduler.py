@@ -21,12 +21,20 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.outputs import PreemptionEvent, RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from engine.preemption import PreemptionPolicy
 from engine.request import Request, RequestStatus
+
+
+@dataclass
+class StepBudget:
+    """Tokens still to hand out in this step; each phase spends from it."""
+
+    tokens: int
 
 
 class Scheduler:
@@ -83,7 +91,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = [self.config.max_num_batched_tokens]  # boxed so the phases can spend it
+        budget = StepBudget(self.config.max_num_batched_tokens)
         self._schedule_running(budget, output)
         if not output.preemptions:
             self._schedule_swapped(budget, output)
@@ -133,11 +141,11 @@ class Scheduler:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def _schedule_running(self, budget: list[int], output: SchedulerOutput) -> None:
+    def _schedule_running(self, budget: StepBudget, output: SchedulerOutput) -> None:
         index = 0
-        while index < len(self.running) and budget[0] > 0:
+        while index < len(self.running) and budget.tokens > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget[0])
+            num_new = self._num_new_tokens(request, budget.tokens)
             if num_new == 0:
                 break
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
@@ -148,10 +156,10 @@ class Scheduler:
             self._schedule(request, num_new, budget, output)
             index += 1
 
-    def _schedule_swapped(self, budget: list[int], output: SchedulerOutput) -> None:
-        while self.swapped and budget[0] > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, budget: StepBudget, output: SchedulerOutput) -> None:
+        while self.swapped and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new = self._num_new_tokens(request, budget[0])
+            num_new = self._num_new_tokens(request, budget.tokens)
             if num_new == 0:
                 break
             total = request.num_computed_tokens + num_new
@@ -165,10 +173,10 @@ class Scheduler:
             _insert_by_arrival(self.running, request)
             self._schedule(request, num_new, budget, output)
 
-    def _schedule_waiting(self, budget: list[int], output: SchedulerOutput) -> None:
-        while self.waiting and budget[0] > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, budget: StepBudget, output: SchedulerOutput) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget[0])
+            num_new = self._num_new_tokens(request, budget.tokens)
             if num_new == 0:
                 break
             total = request.num_computed_tokens + num_new
@@ -194,7 +202,7 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _schedule(self, request: Request, num_new: int, budget: list[int], output: SchedulerOutput) -> None:
+    def _schedule(self, request: Request, num_new: int, budget: StepBudget, output: SchedulerOutput) -> None:
         start = request.num_computed_tokens
         output.scheduled.append(
             ScheduledRequest(
@@ -207,7 +215,7 @@ class Scheduler:
                 banned_token_ids=request.banned_token_ids(),
             )
         )
-        budget[0] -= num_new
+        budget.tokens -= num_new
 
     def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
         self.running.remove(victim)

@@ -69,7 +69,7 @@ def compiled_kernels() -> ModuleType:
     module = load(
         name="kvstorm_cpu_kernels",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -1,0 +1,96 @@
+"""LLMEngine end to end on a tiny random model: rejection, abort, swap content, knobs, invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.kv_cache import kv_cache_bytes_per_block
+from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.model.config import PRESETS
+from engine.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+BYTES_PER_BLOCK = kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
+
+
+def make_engine(num_blocks: int = 24, num_host_blocks: int = 16, **scheduler: object) -> LLMEngine:
+    config = EngineConfig(
+        model="random:tiny",
+        device="cpu",
+        cache=CacheConfig(
+            block_size=BLOCK_SIZE,
+            kv_cache_memory=num_blocks * BYTES_PER_BLOCK,
+            swap_space=num_host_blocks * BYTES_PER_BLOCK,
+            watermark=0.0,
+        ),
+        scheduler=SchedulerConfig(**{"max_num_batched_tokens": 32, **scheduler}),
+        debug_invariants=True,
+    )
+    return LLMEngine(config)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_requests_that_can_never_fit_are_rejected_with_the_numbers():
+    engine = make_engine(num_blocks=8)
+    with pytest.raises(ValueError, match=r"needs 9 KV blocks but the whole KV pool has 8"):
+        engine.add_request(list(range(1, 31)), greedy(5))
+    with pytest.raises(ValueError, match=r"exceeds the model's context of 1024 tokens"):
+        engine.add_request([1] * 1000, greedy(30))
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 512\)"):
+        engine.add_request([1, 512], greedy(2))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request([], greedy(2))
+    assert not engine.has_unfinished_requests()
+
+
+def test_unchunked_engine_rejects_what_cannot_fit_one_step():
+    engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=16, max_num_seqs=4)
+    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
+        engine.add_request(list(range(1, 15)), greedy(5))
+
+
+def test_abort_mid_decode_returns_every_block_at_once():
+    engine = make_engine()
+    keep = engine.add_request(list(range(1, 10)), greedy(12))
+    drop = engine.add_request(list(range(20, 35)), greedy(12))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_cache_manager.block_ids(drop.request_id)
+    assert engine.abort_request(drop.request_id)
+    assert not engine.kv_cache_manager.block_ids(drop.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert keep.num_output_tokens == 12
+    assert engine.kv_cache_manager.device_pool.num_free_blocks == 24
+
+
+def test_swap_out_and_in_keeps_kv_bit_identical():
+    engine = make_engine()
+    runner = engine.runner
+    torch.manual_seed(0)
+    runner.device_cache.data.normal_()
+    original = runner.device_cache.data[:, :, [3, 7, 11]].clone()
+    runner.swap_out([(3, 0), (7, 1), (11, 2)])
+    runner.device_cache.data[:, :, [3, 7, 11]] = 0.0
+    runner.swap_in([(0, 20), (1, 5), (2, 9)])
+    assert torch.equal(runner.device_cache.data[:, :, [20, 5, 9]], original)
+
+
+@pytest.mark.parametrize("mode", list(PreemptionMode))
+def test_greedy_tokens_do_not_depend_on_preemption(mode):
+    prompts = [list(range(1 + i, 10 + 2 * i)) for i in range(6)]
+    ample = make_engine(num_blocks=64)
+    tight = make_engine(num_blocks=12, num_host_blocks=12, preemption_mode=mode)
+    results = []
+    for engine in (ample, tight):
+        requests = [engine.add_request(p, greedy(14)) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+        results.append([r.output_token_ids for r in requests])
+    assert tight.scheduler.num_preemptions > 0
+    assert results[0] == results[1]
