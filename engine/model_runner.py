@@ -36,10 +36,6 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator | None] = {}
 
-    @property
-    def num_device_blocks(self) -> int:
-        return self.device_cache.num_blocks
-
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns the sampled token of every request that ``needs_sample``."""
         self.swap_out(output.blocks_to_swap_out)

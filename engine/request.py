@@ -61,11 +61,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def max_num_tokens(self) -> int:
-        """Tokens this request can ever hold: prompt + max_tokens."""
-        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
-
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt followed by output."""
         prompt_len = len(self.prompt_token_ids)

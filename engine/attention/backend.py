@@ -40,10 +40,6 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [D]
     decode_block_tables: torch.Tensor  # [D, max_decode_blocks]
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
-
     @classmethod
     def build(
         cls,

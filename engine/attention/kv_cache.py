@@ -52,5 +52,8 @@ def move_blocks(src: PagedKVCache, dst: PagedKVCache, block_pairs: Sequence[tupl
         return
     src_ids = torch.tensor([a for a, _ in block_pairs], dtype=torch.int64, device=src.data.device)
     dst_ids = torch.tensor([b for _, b in block_pairs], dtype=torch.int64, device=dst.data.device)
-    blocks = src.data.index_select(2, src_ids).to(dst.data.device, non_blocking=True)
+    # Asynchronous only towards a GPU, where later kernels are ordered after the copy on the stream; a copy
+    # to the host must be complete before the CPU scatters it.
+    to_gpu = dst.data.device.type == "cuda"
+    blocks = src.data.index_select(2, src_ids).to(dst.data.device, non_blocking=to_gpu)
     dst.data.index_copy_(2, dst_ids, blocks)
