@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.bench_process import run_child
 from engine.model.config import ModelConfig
 
 MODEL = "smollm2-135m"
@@ -208,26 +208,14 @@ def system_names(static_batch_sizes: list[int], include_continuous: bool) -> lis
 def run_system_in_child(name: str, num_requests: int, kvstorm_options: dict, timeout_s: float) -> SystemResult:
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "result.json"
-        log_file = Path(scratch) / "log.txt"
         command = [sys.executable, "-m", "engine.bench_offline", name, str(num_requests), json.dumps(kvstorm_options)]
-        with log_file.open("w") as log:
-            process = subprocess.Popen([*command, str(result_file)], stdout=log, stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + timeout_s
-            while (waited := os.wait4(process.pid, os.WNOHANG))[0] == 0:
-                if time.monotonic() > deadline:
-                    process.kill()
-                    waited = os.wait4(process.pid, 0)
-                    break
-                time.sleep(0.5)
-        _, status, usage = waited
-        peak_rss_mib = usage.ru_maxrss / 1024
+        run = run_child([*command, str(result_file)], timeout_s)
         if result_file.exists():
             data = json.loads(result_file.read_text())
             elapsed, tokens = data.pop("elapsed_s"), data.pop("output_tokens")
-            return SystemResult(name, elapsed, tokens, peak_rss_mib, data)
-        reason = "timed out" if time.monotonic() > deadline else f"exit status {os.waitstatus_to_exitcode(status)}"
-        tail = log_file.read_text()[-2000:]
-        return SystemResult(name, None, 0, peak_rss_mib, {}, error=f"{reason}: {tail}")
+            return SystemResult(name, elapsed, tokens, run.peak_rss_mib, data)
+    reason = "timed out" if run.exit_code is None else f"exit status {run.exit_code}"
+    return SystemResult(name, None, 0, run.peak_rss_mib, {}, error=f"{reason}: {run.output[-2000:]}")
 
 
 def child_main(name: str, num_requests: int, kvstorm_options: dict, result_file: Path) -> None:

@@ -18,7 +18,7 @@ from engine.sampling_params import SamplingParams
 
 DEFAULT_MODEL = "smollm2-135m"
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_UNITS = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_bytes(text: str) -> int:
@@ -26,7 +26,7 @@ def parse_bytes(text: str) -> int:
     match = _SIZE.fullmatch(text.strip())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 512MiB, 2GiB)")
-    unit = (match["unit"] or "").upper()[:1] if (match["unit"] or "").upper() != "B" else "B"
+    unit = (match["unit"] or "B").upper()[0]
     return int(float(match["number"]) * _UNITS[unit])
 
 

@@ -66,27 +66,28 @@ class KVCacheManager:
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's table to the host pool; (device, host) block pairs, or None if the host is full."""
-        device_ids = self.device_tables.get(request_id, [])
-        host_ids = self.host_pool.allocate(len(device_ids))
-        if host_ids is None:
-            return None
-        del self.device_tables[request_id]
-        self.device_pool.free(device_ids)
-        self.host_tables[request_id] = host_ids
-        return list(zip(device_ids, host_ids, strict=True))
+        return self._move_table(request_id, self.device_pool, self.device_tables, self.host_pool, self.host_tables)
 
-    def swap_in(self, request_id: str, num_reserved_blocks: int = 0) -> list[tuple[int, int]] | None:
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's table back to the device pool; (host, device) pairs, or None if no room."""
-        host_ids = self.host_tables[request_id]
-        if self.device_pool.num_free_blocks - len(host_ids) < num_reserved_blocks:
+        return self._move_table(request_id, self.host_pool, self.host_tables, self.device_pool, self.device_tables)
+
+    @staticmethod
+    def _move_table(
+        request_id: str,
+        src_pool: BlockPool,
+        src_tables: dict[str, list[int]],
+        dst_pool: BlockPool,
+        dst_tables: dict[str, list[int]],
+    ) -> list[tuple[int, int]] | None:
+        src_ids = src_tables.get(request_id, [])
+        dst_ids = dst_pool.allocate(len(src_ids))
+        if dst_ids is None:
             return None
-        device_ids = self.device_pool.allocate(len(host_ids))
-        if device_ids is None:
-            return None
-        del self.host_tables[request_id]
-        self.host_pool.free(host_ids)
-        self.device_tables[request_id] = device_ids
-        return list(zip(host_ids, device_ids, strict=True))
+        src_tables.pop(request_id, None)
+        src_pool.free(src_ids)
+        dst_tables[request_id] = dst_ids
+        return list(zip(src_ids, dst_ids, strict=True))
 
     def num_swapped_blocks(self, request_id: str) -> int:
         return len(self.host_tables.get(request_id, []))

@@ -281,11 +281,10 @@ class LLM:
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        now = time.monotonic()
+        arrival_ts = time.monotonic()
         requests = [
-            # Strictly increasing arrival times keep the submission order as the scheduling order.
-            self.engine.add_request(prompt, p, arrival_ts=now + i * 1e-9)
-            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))
+            self.engine.add_request(prompt, p, arrival_ts=arrival_ts)
+            for prompt, p in zip(prompts, params_list, strict=True)
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

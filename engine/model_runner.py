@@ -10,8 +10,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
-from engine.attention.kv_cache import PagedKVCache, move_blocks
+from engine.attention.backend import AttentionMetadata, int64_tensor
+from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.model.llama import LlamaForCausalLM
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.sampling import make_generator, sample
@@ -45,7 +45,7 @@ class ModelRunner:
         if not output.scheduled:
             return {}
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
-        if not to_sample:
+        if not to_sample:  # every chunk was a partial prefill
             return {}
         tokens = sample(
             logits,
@@ -77,7 +77,7 @@ class ModelRunner:
             last_rows = [
                 end - 1 for end, keep in zip(metadata.query_start_loc_cpu[1:], positions_to_keep, strict=True) if keep
             ]
-            hidden = hidden[torch.tensor(last_rows, dtype=torch.int64, device=self.device)]
+            hidden = hidden[int64_tensor(last_rows, self.device)]
         return self.model.compute_logits(hidden)
 
     def measure_copy_bandwidth(self, num_blocks: int = 8) -> float:
@@ -91,7 +91,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.swap_out(pairs)
         self._synchronize()
-        return num_blocks * self.device_cache.bytes_per_block / max(time.perf_counter() - start, 1e-9)
+        bytes_per_block = kv_cache_bytes_per_block(self.model.config, self.block_size, self.device_cache.data.dtype)
+        return num_blocks * bytes_per_block / max(time.perf_counter() - start, 1e-9)
 
     def measure_prefill_throughput(self, num_tokens: int = 128) -> float:
         """Tokens/s of one prefill of ``num_tokens`` tokens (writes only blocks no request owns yet)."""
@@ -126,8 +127,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, slots, [c.block_ids for c in chunks], block_size, self.device
         )
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_tensor(token_ids), as_tensor(positions), metadata
+        return int64_tensor(token_ids, self.device), int64_tensor(positions, self.device), metadata
 
     def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
         if scheduled.request_id not in self._generators:

@@ -9,10 +9,10 @@ class PreemptionPolicy:
     """Chooses swap or recompute per victim.
 
     ``auto`` compares estimated costs: moving the victim's blocks out and back
-    at the measured copy bandwidth against re-running its computed tokens at
-    the measured prefill throughput. Both rates are exponential moving averages
-    of what the engine observes. A swap that does not fit in the host pool
-    falls back to recompute.
+    at the copy bandwidth measured at start-up against re-running its computed
+    tokens at the prefill throughput, an exponential moving average of what
+    the engine's prefill-heavy steps achieve. A swap that does not fit in the
+    host pool falls back to recompute.
     """
 
     SMOOTHING = 0.2
@@ -47,13 +47,7 @@ class PreemptionPolicy:
             return PreemptionMode.SWAP, "cheaper"
         return PreemptionMode.RECOMPUTE, "cheaper"
 
-    def observe_copy(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
-            self.copy_bytes_per_s = self._smooth(self.copy_bytes_per_s, num_bytes / seconds)
-
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s = self._smooth(self.prefill_tokens_per_s, num_tokens / seconds)
-
-    def _smooth(self, old: float, new: float) -> float:
-        return (1 - self.SMOOTHING) * old + self.SMOOTHING * new
+            rate = num_tokens / seconds
+            self.prefill_tokens_per_s = (1 - self.SMOOTHING) * self.prefill_tokens_per_s + self.SMOOTHING * rate

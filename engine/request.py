@@ -37,6 +37,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_ts: float = field(default_factory=time.monotonic)
+    # Set by the scheduler: breaks ties between equal arrival times in submission order.
+    submission_index: int = 0
     # Token ids that end the request unless sampling_params.ignore_eos (the tokenizer's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)

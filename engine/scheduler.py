@@ -19,8 +19,9 @@ The output is plain data (``SchedulerOutput``); the model runner executes it.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.config import PreemptionMode, SchedulerConfig
@@ -60,6 +61,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self._submissions = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -67,8 +69,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.submission_index = next(self._submissions)
         request.status = RequestStatus.WAITING
-        _insert_by_arrival(self.waiting, request)
+        _insert_in_order(self.waiting, request)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop the request from every queue and free its blocks now; False if it is unknown or done."""
@@ -149,45 +152,50 @@ class Scheduler:
             if num_new == 0:
                 break
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
-                victim = self.running[-1]  # the newest arrival; never one already scheduled this step
-                self._preempt(victim, output)
-                if victim is request:
+                # The newest arrival: never one already scheduled this step, since those come first.
+                if self._preempt_newest(output) is request:
                     return
             self._schedule(request, num_new, budget, output)
             index += 1
 
     def _schedule_swapped(self, budget: StepBudget, output: SchedulerOutput) -> None:
-        while self.swapped and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            num_new = self._num_new_tokens(request, budget.tokens)
-            if num_new == 0:
-                break
-            total = request.num_computed_tokens + num_new
-            num_blocks = max(self.kv.num_swapped_blocks(request.request_id), num_blocks_for(total, self.kv.block_size))
-            if self.kv.device_pool.num_free_blocks - num_blocks < self._num_reserved_blocks():
-                break
-            output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
-            self.kv.allocate_slots(request.request_id, total)
-            self.swapped.pop(0)
-            request.status = RequestStatus.RUNNING
-            _insert_by_arrival(self.running, request)
-            self._schedule(request, num_new, budget, output)
+        self._admit(self.swapped, self._swap_in, budget, output)
 
     def _schedule_waiting(self, budget: StepBudget, output: SchedulerOutput) -> None:
-        while self.waiting and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        self._admit(self.waiting, self._allocate_for_admission, budget, output)
+
+    def _admit(
+        self,
+        queue: list[Request],
+        make_room: Callable[[Request, int, SchedulerOutput], bool],
+        budget: StepBudget,
+        output: SchedulerOutput,
+    ) -> None:
+        """Move requests from the head of ``queue`` into the batch while budget, seats and ``make_room`` allow."""
+        while queue and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+            request = queue[0]
             num_new = self._num_new_tokens(request, budget.tokens)
-            if num_new == 0:
+            if num_new == 0 or not make_room(request, request.num_computed_tokens + num_new, output):
                 break
-            total = request.num_computed_tokens + num_new
-            if self.kv.allocate_slots(request.request_id, total, self._num_reserved_blocks()) is None:
-                break
-            self.waiting.pop(0)
+            queue.pop(0)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_ts is None:
                 request.first_scheduled_ts = time.monotonic()
-            _insert_by_arrival(self.running, request)
+            _insert_in_order(self.running, request)
             self._schedule(request, num_new, budget, output)
+
+    def _swap_in(self, request: Request, num_total_tokens: int, output: SchedulerOutput) -> bool:
+        """Bring a swapped request's blocks back, plus room for its new tokens, if that keeps the watermark."""
+        swapped = self.kv.num_swapped_blocks(request.request_id)
+        num_blocks = max(swapped, num_blocks_for(num_total_tokens, self.kv.block_size))
+        if self.kv.device_pool.num_free_blocks - num_blocks < self._num_reserved_blocks():
+            return False
+        output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
+        self.kv.allocate_slots(request.request_id, num_total_tokens)
+        return True
+
+    def _allocate_for_admission(self, request: Request, num_total_tokens: int, output: SchedulerOutput) -> bool:
+        return self.kv.allocate_slots(request.request_id, num_total_tokens, self._num_reserved_blocks()) is not None
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -217,22 +225,22 @@ class Scheduler:
         )
         budget.tokens -= num_new
 
-    def _preempt(self, victim: Request, output: SchedulerOutput) -> None:
-        self.running.remove(victim)
+    def _preempt_newest(self, output: SchedulerOutput) -> Request:
+        victim = self.running.pop()
         num_blocks = len(self.kv.block_ids(victim.request_id))
         num_computed_tokens = victim.num_computed_tokens
         mode, reason = self.preemption_policy.choose(
-            num_blocks, victim.num_computed_tokens, self.kv.can_swap_out(victim.request_id)
+            num_blocks, num_computed_tokens, self.kv.can_swap_out(victim.request_id)
         )
         if mode is PreemptionMode.SWAP:
             output.blocks_to_swap_out.extend(self.kv.swap_out(victim.request_id))
             victim.status = RequestStatus.SWAPPED
-            _insert_by_arrival(self.swapped, victim)
+            _insert_in_order(self.swapped, victim)
         else:
             self.kv.free(victim.request_id)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.WAITING
-            _insert_by_arrival(self.waiting, victim)
+            _insert_in_order(self.waiting, victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         output.preemptions.append(
@@ -245,6 +253,7 @@ class Scheduler:
                 reason=reason,
             )
         )
+        return victim
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -260,10 +269,12 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        for queue in (self.waiting, self.running, self.swapped):
-            if request in queue:
-                queue.remove(request)
-                break
+        queues = {
+            RequestStatus.WAITING: self.waiting,
+            RequestStatus.RUNNING: self.running,
+            RequestStatus.SWAPPED: self.swapped,
+        }
+        queues[request.status].remove(request)
         self.kv.free(request.request_id)
         request.status = status
         request.finished_ts = time.monotonic()
@@ -279,8 +290,9 @@ class Scheduler:
             raise AssertionError(f"blocks held by requests that are not running or swapped: {sorted(owners)}")
 
 
-def _insert_by_arrival(queue: list[Request], request: Request) -> None:
-    bisect.insort(queue, request, key=lambda r: r.arrival_ts)
+def _insert_in_order(queue: list[Request], request: Request) -> None:
+    """Every queue is ordered by arrival; requests that arrived at the same instant keep submission order."""
+    bisect.insort(queue, request, key=lambda r: (r.arrival_ts, r.submission_index))
 
 
 def _ids(requests: Iterable[Request]) -> set[str]:

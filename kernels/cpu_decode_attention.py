@@ -18,6 +18,11 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, max_blocks * block_size, num_kv_heads, head_dim] rows in order."""
+    return cache[block_tables].flatten(1, 2)
+
+
 def paged_decode_attention_reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -30,8 +35,8 @@ def paged_decode_attention_reference(
 
     Gathers each sequence's blocks into a padded batch and masks the padding.
     """
-    keys = k_cache[block_tables].flatten(1, 2)  # [B, S, KVH, D]
-    values = v_cache[block_tables].flatten(1, 2)
+    keys = gather_blocks(k_cache, block_tables)  # [B, S, KVH, D]
+    values = gather_blocks(v_cache, block_tables)
     mask = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),

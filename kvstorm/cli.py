@@ -31,10 +31,10 @@ def _bench_handler(run, section: str):
 
     def handler(args: argparse.Namespace) -> int:
         report = run(args)
-        command = "kvstorm " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvstorm") else None
-        markdown = f"## `kvstorm bench {section}`\n\n{report.markdown}"
-        if command:
-            markdown += f"\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
+        command = " ".join(["kvstorm", *sys.argv[1:]])
+        markdown = (
+            f"## `kvstorm bench {section}`\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
+        )
         print(markdown)
         if not args.no_docs:
             update_section(f"bench-{section}", markdown)

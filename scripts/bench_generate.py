@@ -14,14 +14,12 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
 
+from engine.bench_process import run_child
 from kvstorm.benchdoc import update_section
 
 PROMPT = "What is the capital of France? Answer in one sentence."
@@ -65,21 +63,15 @@ class Run:
 
 
 def measure(command: list[str]) -> Run:
-    with tempfile.TemporaryFile("w+") as output:
-        start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-        wall_s = time.perf_counter() - start
-        output.seek(0)
-        text = output.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{command[:3]} failed:\n{text}")
-    stats = KVSTORM_STATS.search(text)
+    run = run_child(command)
+    if run.exit_code != 0:
+        raise RuntimeError(f"{command[:3]} failed:\n{run.output}")
+    stats = KVSTORM_STATS.search(run.output)
     if stats is None:
-        raise RuntimeError(f"no stats line in output:\n{text}")
+        raise RuntimeError(f"no stats line in output:\n{run.output}")
     return Run(
-        wall_s=wall_s,
-        peak_rss_mib=usage.ru_maxrss / 1024,
+        wall_s=run.wall_s,
+        peak_rss_mib=run.peak_rss_mib,
         model_load_s=float(stats["model"]),
         tokenizer_load_s=float(stats["tokenizer"]),
         generated=int(stats["generated"]),

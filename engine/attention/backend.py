@@ -25,17 +25,15 @@ class AttentionMetadata:
     """Per-step batch layout, built once by the model runner and shared by every layer.
 
     Sequences with a single new token (decodes) are also described as their own
-    batch, so a backend can attend for all of them at once.
+    batch, so a backend can attend for all of them at once; the others (prefill
+    chunks) are listed by index.
     """
 
-    query_start_loc: torch.Tensor  # [B + 1] int64, on the model's device
-    seq_lens: torch.Tensor  # [B] int64
-    slot_mapping: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, on the model's device
     block_tables: torch.Tensor  # [B, max_blocks] int64, zero-padded
-    query_start_loc_cpu: list[int]
-    query_lens_cpu: list[int]
-    seq_lens_cpu: list[int]
-    decode_indices: list[int]  # sequences with exactly one new token
+    query_start_loc_cpu: list[int]  # [B + 1]
+    seq_lens_cpu: list[int]  # [B]
+    prefill_indices: list[int]  # sequences with more than one new token
     decode_token_rows: torch.Tensor  # [D] row of each decode's token in the step's T
     decode_seq_lens: torch.Tensor  # [D]
     decode_block_tables: torch.Tensor  # [D, max_decode_blocks]
@@ -53,28 +51,25 @@ class AttentionMetadata:
         query_start_loc = [0]
         for query_len in query_lens:
             query_start_loc.append(query_start_loc[-1] + query_len)
-        decode_indices = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+        decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
         max_blocks = max(len(t) for t in block_tables)
-        max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decode_indices), default=0)
-
-        def on_device(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decodes), default=0)
         return cls(
-            query_start_loc=on_device(query_start_loc),
-            seq_lens=on_device(seq_lens),
-            slot_mapping=on_device(slot_mapping),
-            block_tables=on_device([t + [0] * (max_blocks - len(t)) for t in block_tables]),
+            slot_mapping=int64_tensor(slot_mapping, device),
+            block_tables=int64_tensor([_padded(t, max_blocks) for t in block_tables], device),
             query_start_loc_cpu=query_start_loc,
-            query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
-            decode_indices=decode_indices,
-            decode_token_rows=on_device([query_start_loc[i] for i in decode_indices]),
-            decode_seq_lens=on_device([seq_lens[i] for i in decode_indices]),
-            decode_block_tables=on_device(
-                [_padded(block_tables[i][:max_decode_blocks], max_decode_blocks) for i in decode_indices]
-            ).view(len(decode_indices), max_decode_blocks),
+            prefill_indices=[i for i, query_len in enumerate(query_lens) if query_len != 1],
+            decode_token_rows=int64_tensor([query_start_loc[i] for i in decodes], device),
+            decode_seq_lens=int64_tensor([seq_lens[i] for i in decodes], device),
+            decode_block_tables=int64_tensor(
+                [_padded(block_tables[i][:max_decode_blocks], max_decode_blocks) for i in decodes], device
+            ).view(len(decodes), max_decode_blocks),
         )
+
+
+def int64_tensor(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def _padded(block_ids: list[int], length: int) -> list[int]:

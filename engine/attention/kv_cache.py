@@ -41,10 +41,6 @@ class PagedKVCache:
         self.block_size = block_size
         self.layers: list[KVCacheLayer] = [(layer[0], layer[1]) for layer in self.data]
 
-    @property
-    def bytes_per_block(self) -> int:
-        return self.data[:, :, :1].numel() * self.data.element_size()
-
 
 def move_blocks(src: PagedKVCache, dst: PagedKVCache, block_pairs: Sequence[tuple[int, int]]) -> None:
     """Copy blocks ``src[a] -> dst[b]`` for every pair, all layers, K and V, in one gather and one scatter."""

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata, KVCacheLayer
-from kernels.cpu_decode_attention import paged_decode_attention_reference
+from kernels.cpu_decode_attention import gather_blocks, paged_decode_attention_reference
 
 # (q [B, H, D], k_cache, v_cache, block_tables [B, max_blocks], seq_lens [B], scale) -> [B, H, D]
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -27,11 +27,6 @@ def write_kv_to_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCacheLayer, 
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-
-
-def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_blocks] block ids -> [B, max_blocks * block_size, num_kv_heads, head_dim] rows in order."""
-    return cache[block_tables].flatten(1, 2)
 
 
 class TorchAttentionBackend:
@@ -51,7 +46,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         write_kv_to_cache(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
-        if metadata.decode_indices:
+        if metadata.decode_token_rows.numel():
             out[metadata.decode_token_rows] = self.decode_kernel(
                 q[metadata.decode_token_rows],
                 kv_cache[0],
@@ -60,16 +55,14 @@ class TorchAttentionBackend:
                 metadata.decode_seq_lens,
                 scale,
             )
-        decodes = set(metadata.decode_indices)
-        starts = metadata.query_start_loc_cpu
-        for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)):
-            if i in decodes:
-                continue
-            rows = slice(starts[i], starts[i] + query_len)
-            if query_len == seq_len:  # nothing cached before this chunk: attend to its own K/V
+        block_size = kv_cache[0].shape[1]
+        for i in metadata.prefill_indices:
+            rows = slice(metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1])
+            seq_len = metadata.seq_lens_cpu[i]
+            if rows.stop - rows.start == seq_len:  # nothing cached before this chunk: attend to its own K/V
                 keys, values = k[rows], v[rows]
             else:
-                block_table = metadata.block_tables[i : i + 1, : -(-seq_len // kv_cache[0].shape[1])]
+                block_table = metadata.block_tables[i : i + 1, : -(-seq_len // block_size)]
                 keys = gather_blocks(kv_cache[0], block_table)[0, :seq_len]
                 values = gather_blocks(kv_cache[1], block_table)[0, :seq_len]
             out[rows] = prefill_attention(q[rows], keys, values, scale)
