@@ -156,8 +156,11 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request, CompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
     try:
-        params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
         prompts = body.prompts()
+    except ValueError as error:
+        raise ApiError(400, str(error), "prompt") from None
+    try:
+        params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     return await _generate(request, body, "cmpl", prompts, [params] * len(prompts), async_engine)
