@@ -147,11 +147,17 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop after its current step; streams still in flight end with an ``EngineFailure``."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
+        if self._thread is None:
+            return
+        self._thread.join()
+        deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+        self._fail_all("the server is shutting down", deliveries)
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
 
     @property
     def is_running(self) -> bool:

@@ -62,7 +62,7 @@ class ServerConfig:
 
 
 def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Application:
-    """The app; it starts the engine loop on startup and stops it on cleanup."""
+    """The app; it starts the engine loop on startup and stops it on shutdown."""
     app = web.Application(middlewares=[_error_middleware], client_max_size=config.max_body_bytes)
     app[ASYNC_ENGINE] = async_engine
     app[SERVER_CONFIG] = config
@@ -88,7 +88,9 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
         await asyncio.get_running_loop().run_in_executor(None, app[ASYNC_ENGINE].shutdown)
 
     app.on_startup.append(start_engine)
-    app.on_cleanup.append(stop_engine)
+    # On shutdown, not cleanup: the server waits for open handlers in between, and streams end only once the
+    # engine has ended them.
+    app.on_shutdown.append(stop_engine)
     return app
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -65,10 +66,11 @@ def running_server(
     engine: LLMEngine,
     name: str = "smollm2-135m",
     limits: AdmissionLimits | None = None,
+    admin_token: str | None = ADMIN_TOKEN,
     **config: object,
 ) -> Iterator[RunningServer]:
     async_engine = AsyncEngine(engine, EngineMetrics(name), limits)
-    server = RunningServer(async_engine, ServerConfig(served_model_name=name, admin_token=ADMIN_TOKEN, **config))
+    server = RunningServer(async_engine, ServerConfig(served_model_name=name, admin_token=admin_token, **config))
     try:
         yield server
     finally:
@@ -84,3 +86,21 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
         if all(f'{key}="{val}"' in sample for key, val in labels.items()):
             return float(value)
     return 0.0
+
+
+def make_tiny_engine(**options) -> LLMEngine:
+    """The tiny random-weight model (no tokenizer: prompts are token ids), for tests where text does not matter."""
+    return LLM(
+        "random:tiny", device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=8 << 20, swap_space=0, **options
+    ).engine
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.01):
+    """Poll ``condition`` until it returns something truthy (a hang guard, not a speed assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
