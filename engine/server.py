@@ -122,7 +122,9 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         if error.status < 400:
             raise
         error_type = "invalid_request_error" if error.status < 500 else "server_error"
-        rejection = ApiError(error.status, error.text or error.reason, error_type=error_type)
+        # Keep what the status needs (Allow on 405), not the body's own content headers.
+        headers = {k: v for k, v in error.headers.items() if k.lower() not in ("content-type", "content-length")}
+        rejection = ApiError(error.status, error.text or error.reason, error_type=error_type, headers=headers)
     except asyncio.CancelledError:
         raise
     except Exception:
