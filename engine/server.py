@@ -290,7 +290,6 @@ async def _stream(
     streams: Sequence[RequestStream],
     assemblers: Sequence[ChoiceAssembler],
 ) -> web.StreamResponse:
-    is_chat = isinstance(body, ChatCompletionRequest)
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -299,46 +298,63 @@ async def _stream(
         }
     )
     await response.prepare(request)
-    include_usage = body.include_usage
 
     async def send(payload: dict | str) -> None:
         data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
         await response.write(f"data: {data}\n\n".encode())
 
     try:
-        if is_chat:
-            await send(
-                chat_chunk(response_id, created, model, 0, {"role": "assistant", "content": ""}, None, include_usage)
-            )
-        async for index, output in _merge(streams):
-            delta, logprobs = assemblers[index].push(output)
-            if is_chat:
-                chunk = chat_chunk(
-                    response_id, created, model, index, {"content": delta}, output.finish_reason, include_usage
-                )
-            else:
-                chunk = completion_chunk(
-                    response_id, created, model, index, delta, logprobs, output.finish_reason, include_usage
-                )
-            await send(chunk)
-        if include_usage:
-            object_name = "chat.completion.chunk" if is_chat else "text_completion"
-            usage = usage_of(assemblers).model_dump()
-            await send(
-                {
-                    "id": response_id,
-                    "object": object_name,
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-    except EngineFailure as failure:
-        await send({"error": {"message": str(failure), "type": "engine_error", "param": None, "code": 500}})
-    await send("[DONE]")
-    await response.write_eof()
+        try:
+            await _send_chunks(send, body, response_id, created, model, streams, assemblers)
+        except EngineFailure as failure:
+            await send({"error": {"message": str(failure), "type": "engine_error", "param": None, "code": 500}})
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away mid-write; the caller aborts its requests
+        logger.info("client of %s disconnected", response_id)
     return response
+
+
+async def _send_chunks(
+    send,
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    streams: Sequence[RequestStream],
+    assemblers: Sequence[ChoiceAssembler],
+) -> None:
+    """One chunk per engine output (so one per token), the finish reason in the last; then usage if asked."""
+    is_chat = isinstance(body, ChatCompletionRequest)
+    include_usage = body.include_usage
+    if is_chat:
+        await send(
+            chat_chunk(response_id, created, model, 0, {"role": "assistant", "content": ""}, None, include_usage)
+        )
+    async for index, output in _merge(streams):
+        delta, logprobs = assemblers[index].push(output)
+        if is_chat:
+            chunk = chat_chunk(
+                response_id, created, model, index, {"content": delta}, output.finish_reason, include_usage
+            )
+        else:
+            chunk = completion_chunk(
+                response_id, created, model, index, delta, logprobs, output.finish_reason, include_usage
+            )
+        await send(chunk)
+    if include_usage:
+        object_name = "chat.completion.chunk" if is_chat else "text_completion"
+        usage = usage_of(assemblers).model_dump()
+        await send(
+            {
+                "id": response_id,
+                "object": object_name,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
 
 
 # ---- probes and metrics ---------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class RunningServer:
         return {"Authorization": f"Bearer {self.config.admin_token}"}
 
     def stop(self) -> None:
+        if self.loop.is_closed():
+            return
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(60)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)

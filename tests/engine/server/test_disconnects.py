@@ -160,7 +160,16 @@ def test_hang_ups_in_every_phase_free_their_blocks_and_leave_the_other_streams_i
     for phase, count in EXPECTED_ABORTS_BY_PHASE.items():
         assert metric_value(metrics, "kvstorm:aborted_requests_total", phase=phase) == count, phase
     assert metric_value(metrics, "kvstorm:free_blocks", pool="device") == NUM_BLOCKS
-    assert metric_value(metrics, "kvstorm:swap_blocks_total", direction="out") > 0
+    swapped_out = metric_value(metrics, "kvstorm:swap_blocks_total", direction="out")
+    assert swapped_out > 0
+    bytes_per_block = server.async_engine.engine.bytes_per_block
+    assert metric_value(metrics, "kvstorm:swap_bytes_total", direction="out") == swapped_out * bytes_per_block
+    assert metric_value(metrics, "kvstorm:swap_latency_seconds_count") > 0
+    assert metric_value(metrics, "kvstorm:preemptions_total", mode="swap", reason="requested") == (
+        metric_value(metrics, "vllm:num_preemptions_total")
+    )
+    assert metric_value(metrics, "kvstorm:request_preemptions_count") == NUM_STREAMS
+    assert metric_value(metrics, "kvstorm:request_preemptions_sum") == stats["stats"]["num_preemptions"]
 
     survivors = [s for s in streams if s not in victims.values()]
     assert len(survivors) == 14

@@ -68,6 +68,20 @@ def test_health_is_503_while_the_loop_is_frozen_with_requests_in_flight_and_reco
         assert requests.get(f"{server.url}/ready").status_code == 200
 
 
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done():
+    with running_server(make_tiny_engine(), name=TINY) as server:
+        requests.post(f"{server.url}/admin/pause", headers=server.admin_headers)
+        reader, lines = stream_in_background(server.url)
+        wait_until(lambda: stats(server)["pending_adds"], "the request to arrive")
+        requests.post(f"{server.url}/admin/step?num_steps=3", headers=server.admin_headers)
+        server.stop()  # the engine loop ends with the request in flight
+        reader.join(60)
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert [len(e["choices"]) for e in events[:-1]] == [1, 1, 1]  # three tokens went out
+    assert events[-1]["error"]["message"] == "the server is shutting down"
+    assert lines[-1] == "data: [DONE]"
+
+
 def test_a_full_queue_is_refused_with_429_and_retry_after_before_any_stream_starts():
     with running_server(make_tiny_engine(), name=TINY, limits=AdmissionLimits(max_waiting=2)) as server:
         requests.post(f"{server.url}/admin/pause", headers=server.admin_headers)
