@@ -1,16 +1,17 @@
 """The engine loop in a background thread, and one async stream of outputs per request.
 
-    event loop (HTTP)                         engine thread
-    -----------------                         -------------
-    submit(): validate, admit, inbox += add   loop: take the inbox (adds, aborts) ->
-    abort():  inbox += abort                        step() -> outputs ->
-    RequestStream.get()  <-- call_soon_threadsafe --  one batch of deliveries per iteration
+    event loop (HTTP)                          engine thread
+    -----------------                          -------------
+    submit(): validate, admit, inbox += add    loop: take the inbox (adds, aborts) ->
+    abort():  inbox += abort                         step() -> outputs ->
+    async for output in stream  <-- call_soon_threadsafe -- one batch of deliveries per iteration
 
 The engine (scheduler, block pools, model runner) is only touched by the engine
 thread; the event loop talks to it through the lock-protected inbox. A thread,
 not a process: torch releases the GIL in its kernels, so the HTTP side keeps
 answering during a step, and outputs cross as Python objects with no
-serialization (docs/benchmarks.md, "serve: thread").
+serialization; docs/benchmarks.md ("Serving overhead") measures what the HTTP
+side costs the engine.
 
 Back-pressure: a stream holds at most ``max_buffered_outputs`` outputs its
 consumer has not taken. A client that reads slower than the engine generates
@@ -22,6 +23,7 @@ dawdles, and the blocks are the scarce resource.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -168,7 +170,7 @@ class AsyncEngine:
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
         """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded."""
         request = self.engine.prepare_request(prompt, params, request_id)
-        self._admit(request)
+        self._check_admission()
         stream = RequestStream(request)
         with self._cond:
             if not self._streams:
@@ -200,7 +202,7 @@ class AsyncEngine:
         """Why a new request would be refused now; empty when it would be admitted."""
         return [message for _, message in self._overloads()[0]]
 
-    def _admit(self, request: Request) -> None:
+    def _check_admission(self) -> None:
         overloads, delay_s = self._overloads()
         if overloads:
             reason, message = overloads[0]
@@ -275,7 +277,7 @@ class AsyncEngine:
             "paused": self.is_paused,
             "num_iterations": self.num_iterations,
             "num_in_flight": self.num_in_flight,
-            "stats": stats.__dict__,
+            "stats": dataclasses.asdict(stats),
             "requests": requests,
             "pending_adds": [request_id for kind, request_id in pending if kind == "add"],
             "pending_aborts": [request_id for kind, request_id in pending if kind == "abort"],
@@ -284,6 +286,17 @@ class AsyncEngine:
     # ---- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._iterate_until_stopped()
+        except BaseException:
+            # A bug outside step() (which has its own handler): /health reports the dead loop, and no stream hangs.
+            logger.exception("the engine loop died")
+            deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+            self._fail_all("the engine loop died", deliveries)
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+            raise
+
+    def _iterate_until_stopped(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._may_iterate():

@@ -227,6 +227,7 @@ _ERROR_STATUSES = {
     "404": "Unknown model",
     "413": "Body over the size limit",
     "429": "Admission control refused the request; see Retry-After",
+    "500": "The engine failed while generating (without stream; a stream ends with an error event instead)",
     "503": "Engine not running or stalled",
 }
 

@@ -13,7 +13,6 @@ their blocks are free after the engine's next loop iteration.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from engine.admin import admin_routes
 from engine.async_engine import AdmissionRefused, AsyncEngine, EngineFailure, RequestStream
 from engine.outputs import RequestOutput
 from engine.protocol import (
@@ -37,6 +37,7 @@ from engine.protocol import (
     api_error_from_validation,
     openapi_document,
 )
+from engine.sampling_params import SamplingParams
 from engine.streaming import ChoiceAssembler, chat_chunk, completion_chunk, final_response, usage_of
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
 
     app.router.add_get("/openapi.json", openapi)
     if config.admin_token is not None:
-        add_admin_routes(app)
+        app.add_routes(admin_routes(async_engine, config.admin_token))
 
     async def start_engine(app: web.Application) -> None:
         app[ASYNC_ENGINE].start(asyncio.get_running_loop())
@@ -201,7 +202,7 @@ async def _generate(
     body: CompletionRequest | ChatCompletionRequest,
     id_prefix: str,
     prompts: Sequence[str | list[int]],
-    params_list: Sequence,
+    params_list: Sequence[SamplingParams],
     async_engine: AsyncEngine,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
@@ -227,7 +228,10 @@ async def _generate(
 
 
 def _submit_all(
-    async_engine: AsyncEngine, response_id: str, prompts: Sequence[str | list[int]], params_list: Sequence
+    async_engine: AsyncEngine,
+    response_id: str,
+    prompts: Sequence[str | list[int]],
+    params_list: Sequence[SamplingParams],
 ) -> list[RequestStream]:
     """All prompts or none: a refusal of one aborts those already queued."""
     streams: list[RequestStream] = []
@@ -405,50 +409,6 @@ async def _models(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body = request.app[ASYNC_ENGINE].metrics.exposition()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-# ---- admin ----------------------------------------------------------------------------------------
-
-
-def add_admin_routes(app: web.Application) -> None:
-    """Run-time control, behind the bearer token: the only way to change the engine while it serves."""
-    token = app[SERVER_CONFIG].admin_token
-
-    def authorized(handler):
-        async def check(request: web.Request) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                raise ApiError(401, "admin routes need 'Authorization: Bearer <admin token>'", error_type="auth_error")
-            return await handler(request, request.app[ASYNC_ENGINE])
-
-        return check
-
-    async def stats(request: web.Request, async_engine: AsyncEngine) -> web.Response:
-        description = await asyncio.get_running_loop().run_in_executor(None, async_engine.describe)
-        return web.json_response(description)
-
-    async def pause(request: web.Request, async_engine: AsyncEngine) -> web.Response:
-        async_engine.pause()
-        return web.json_response({"paused": True})
-
-    async def resume(request: web.Request, async_engine: AsyncEngine) -> web.Response:
-        async_engine.resume()
-        return web.json_response({"paused": False})
-
-    async def step(request: web.Request, async_engine: AsyncEngine) -> web.Response:
-        try:
-            num_steps = int(request.query.get("num_steps", "1"))
-            if num_steps < 1:
-                raise ValueError(f"num_steps must be >= 1, got {num_steps}")
-            await async_engine.step(num_steps)
-        except ValueError as error:
-            raise ApiError(400, str(error), "num_steps") from None
-        return web.json_response({"num_iterations": async_engine.num_iterations})
-
-    app.router.add_get("/admin/stats", authorized(stats))
-    app.router.add_post("/admin/pause", authorized(pause))
-    app.router.add_post("/admin/resume", authorized(resume))
-    app.router.add_post("/admin/step", authorized(step))
 
 
 # ---- running it -----------------------------------------------------------------------------------
