@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 
+import pytest
 import requests
 
 from engine.async_engine import AdmissionLimits, AsyncEngine
@@ -80,6 +81,21 @@ def test_a_stream_cut_by_shutdown_ends_with_an_error_event_and_done():
     assert [len(e["choices"]) for e in events[:-1]] == [1, 1, 1]  # three tokens went out
     assert events[-1]["error"]["message"] == "the server is shutting down"
     assert lines[-1] == "data: [DONE]"
+
+
+def test_a_json_client_that_hangs_up_while_queued_is_aborted_and_counted():
+    with running_server(make_tiny_engine(), name=TINY) as server:
+        requests.post(f"{server.url}/admin/pause", headers=server.admin_headers)
+        body = {"model": TINY, "prompt": [1, 2, 3], "max_tokens": 5}
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"{server.url}/v1/completions", json=body, timeout=0.5)  # gives up, closes the connection
+        wait_until(lambda: stats(server)["pending_aborts"], "the server to notice the hang-up")
+        requests.post(f"{server.url}/admin/resume", headers=server.admin_headers)
+        wait_until(lambda: stats(server)["num_in_flight"] == 0, "the abort")
+        assert stats(server)["stats"]["num_free_device_blocks"] == stats(server)["stats"]["num_device_blocks"]
+        metrics = requests.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "kvstorm:aborted_requests_total", phase="queued") == 1
+        assert metric_value(metrics, "vllm:request_success_total", finished_reason="abort") == 1
 
 
 def test_a_full_queue_is_refused_with_429_and_retry_after_before_any_stream_starts():

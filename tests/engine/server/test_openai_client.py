@@ -153,3 +153,20 @@ def test_metrics_count_what_was_served_and_every_block_is_free_after(server, cli
     assert metric_value(after, "kvstorm:free_blocks", pool="device") == metric_value(
         after, "kvstorm:total_blocks", pool="device"
     )
+
+
+def test_vllm_style_extra_parameters_reach_the_sampler(client, offline, real_tokenizer):
+    natural = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, temperature=0)
+    assert natural.choices[0].finish_reason == "stop"
+    longer = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, extra_body={"min_tokens": 12}
+    )
+    assert natural.usage.completion_tokens < 12 <= longer.usage.completion_tokens
+    top_one = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.5, seed=3, extra_body={"top_k": 1}
+    )
+    assert top_one.choices[0].text == offline(PROMPT, 8).text
+    to_the_end = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert (to_the_end.choices[0].finish_reason, to_the_end.usage.completion_tokens) == ("length", 20)
