@@ -7,7 +7,7 @@ the same models, so the document describes exactly what the server accepts.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
@@ -16,6 +16,8 @@ from engine.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+NonEmptyString = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
 class _Strict(BaseModel):
@@ -39,7 +41,9 @@ class _SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes sampling reproducible for this request")
-    stop: str | list[str] | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings that end the output")
+    stop: NonEmptyString | Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description="Strings that end the output (cut before them)"
+    )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="No stop token before this many tokens")
     n: Literal[1] = Field(1, description="Only one choice per prompt is supported")
@@ -48,10 +52,7 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-        return tuple(stop)
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling_params(self, default_max_tokens: int, logprobs: int | None = None) -> SamplingParams:
         """``ValueError`` for combinations the fields alone cannot express (e.g. min_tokens > max_tokens)."""
@@ -73,18 +74,17 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="Text, token ids, or a list of either (one choice per prompt)"
-    )
+    prompt: (
+        str | TokenIds | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="Text, token ids, or a list of either (one choice per prompt)")
     logprobs: int | None = Field(
         None, ge=0, le=SamplingParams.MAX_LOGPROBS, description="Log-probability of each token and the N most likely"
     )
 
     def prompts(self) -> list[str | list[int]]:
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+        """One prompt per choice."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
             return [self.prompt]
-        if not self.prompt:
-            raise ValueError("prompt must not be an empty list")
         return list(self.prompt)
 
 
@@ -207,17 +207,25 @@ class ApiError(Exception):
 
 
 def api_error_from_validation(error: ValidationError) -> ApiError:
-    """One readable message naming the first offending field."""
+    """One readable message naming the first offending field.
+
+    For a field that takes one of several types, the error worth reporting comes from the type the
+    value has (a list that is too long), not from the types it does not have.
+    """
     errors = error.errors()
     first = errors[0]
     loc = first["loc"]
     param = str(loc[0]) if loc else None
     if first["type"] == "extra_forbidden":
         return ApiError(400, f"unknown field '{param}'", param)
-    union_members = [e["loc"][1] for e in errors if e["loc"][:1] == loc[:1] and len(e["loc"]) > 1]
-    if len(union_members) > 1 and len(set(union_members)) > 1:
-        kinds = ", ".join(dict.fromkeys(str(m) for m in union_members))
-        return ApiError(400, f"'{param}' must be one of: {kinds} ({first['msg']})", param)
+    union = [e for e in errors if e["loc"][:1] == loc[:1] and len(e["loc"]) > 1 and not str(e["loc"][1]).isdigit()]
+    if len({str(e["loc"][1]) for e in union}) > 1:
+        within_type = [e for e in union if not e["type"].endswith("_type")]
+        if not within_type:
+            kinds = ", ".join(dict.fromkeys(str(e["loc"][1]) for e in union))
+            return ApiError(400, f"'{param}' must be one of: {kinds} ({first['msg']})", param)
+        first = within_type[0]
+        loc = (param, *first["loc"][2:])
     where = ".".join(str(part) for part in loc)
     return ApiError(400, f"'{where}': {first['msg']}", param)
 

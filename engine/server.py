@@ -160,10 +160,7 @@ async def _read_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
 async def _completions(request: web.Request) -> web.StreamResponse:
     body = await _read_body(request, CompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
-    try:
-        prompts = body.prompts()
-    except ValueError as error:
-        raise ApiError(400, str(error), "prompt") from None
+    prompts = body.prompts()
     try:
         params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
     except ValueError as error:
