@@ -328,15 +328,15 @@ class AsyncEngine:
                 self.engine.add_prepared_request(item.request)
                 self.metrics.observe_added(item.request)
             else:
-                self._abort(item, deliveries)
+                self._abort(item, "client", deliveries)
 
-    def _abort(self, request_id: str, deliveries) -> None:
+    def _abort(self, request_id: str, reason: str, deliveries) -> None:
         phase = self.engine.abort_request(request_id)
         with self._cond:
             stream = self._streams.pop(request_id, None)
         if phase is None or stream is None:  # finished before the abort arrived
             return
-        self.metrics.observe_abort(phase)
+        self.metrics.observe_abort(phase, reason)
         self.metrics.observe_finished(stream.request, "abort", time.monotonic())
         request = stream.request
         final = RequestOutput(request_id, [], request.num_prompt_tokens, request.num_output_tokens, "abort")
@@ -377,7 +377,7 @@ class AsyncEngine:
                 stream.num_undelivered,
                 self.limits.max_buffered_outputs,
             )
-            self._abort(stream.request_id, deliveries)
+            self._abort(stream.request_id, "slow_client", deliveries)
 
     def _fail_all(self, message: str, deliveries) -> None:
         with self._cond:

@@ -31,6 +31,8 @@ BASE_LATENCY_BUCKETS_S = (
 PREEMPTIONS_PER_REQUEST_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ABORT_PHASES = ("queued", "prefill", "decode", "swapped")
+# "client": the client went away or cancelled; "slow_client": it left too many outputs unread (back-pressure).
+ABORT_REASONS = ("client", "slow_client")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -74,7 +76,9 @@ class EngineMetrics:
         self.request_success = counter(
             "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
         )
-        self.aborted_requests = counter("kvstorm:aborted_requests", "Aborted requests by the phase hit", ("phase",))
+        self.aborted_requests = counter(
+            "kvstorm:aborted_requests", "Aborted requests by the phase they hit and why", ("phase", "reason")
+        )
         self.rejected_requests = counter("kvstorm:rejected_requests", "Requests refused before start", ("reason",))
         self.swap_blocks = counter("kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
         self.swap_bytes = counter("kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
@@ -93,7 +97,8 @@ class EngineMetrics:
         for reason in FINISH_REASONS:
             self._labels(self.request_success, finished_reason=reason)
         for phase in ABORT_PHASES:
-            self._labels(self.aborted_requests, phase=phase)
+            for reason in ABORT_REASONS:
+                self._labels(self.aborted_requests, phase=phase, reason=reason)
 
     def _labels(self, metric, **extra: str):
         return metric.labels(model_name=self.model_name, **extra)
@@ -141,8 +146,8 @@ class EngineMetrics:
             self._labels(self.request_queue_time).observe(request.first_scheduled_ts - request.arrival_ts)
         self._labels(self.request_preemptions).observe(request.num_preemptions)
 
-    def observe_abort(self, phase: str) -> None:
-        self._labels(self.aborted_requests, phase=phase).inc()
+    def observe_abort(self, phase: str, reason: str) -> None:
+        self._labels(self.aborted_requests, phase=phase, reason=reason).inc()
 
     def observe_rejected(self, reason: str) -> None:
         self._labels(self.rejected_requests, reason=reason).inc()

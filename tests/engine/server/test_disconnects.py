@@ -158,7 +158,7 @@ def test_hang_ups_in_every_phase_free_their_blocks_and_leave_the_other_streams_i
     assert metric_value(metrics, "vllm:request_success_total", finished_reason="abort") == 6
     assert metric_value(metrics, "vllm:request_success_total", finished_reason="length") == 14
     for phase, count in EXPECTED_ABORTS_BY_PHASE.items():
-        assert metric_value(metrics, "kvstorm:aborted_requests_total", phase=phase) == count, phase
+        assert metric_value(metrics, "kvstorm:aborted_requests_total", phase=phase, reason="client") == count, phase
     assert metric_value(metrics, "kvstorm:free_blocks", pool="device") == NUM_BLOCKS
     swapped_out = metric_value(metrics, "kvstorm:swap_blocks_total", direction="out")
     assert swapped_out > 0

@@ -94,7 +94,7 @@ def test_a_json_client_that_hangs_up_while_queued_is_aborted_and_counted():
         wait_until(lambda: stats(server)["num_in_flight"] == 0, "the abort")
         assert stats(server)["stats"]["num_free_device_blocks"] == stats(server)["stats"]["num_device_blocks"]
         metrics = requests.get(f"{server.url}/metrics").text
-        assert metric_value(metrics, "kvstorm:aborted_requests_total", phase="queued") == 1
+        assert metric_value(metrics, "kvstorm:aborted_requests_total", phase="queued", reason="client") == 1
         assert metric_value(metrics, "vllm:request_success_total", finished_reason="abort") == 1
 
 
@@ -169,4 +169,5 @@ def test_a_client_that_stops_reading_is_aborted_and_its_blocks_return():
     assert outputs[-1].finish_reason == "abort"
     assert len(outputs) == 4 + 2  # the buffer, the output that overflowed it, the abort
     assert engine.kv_cache_manager.device_pool.num_free_blocks == engine.kv_cache_manager.device_pool.num_blocks
-    assert metric_value(metrics.exposition().decode(), "kvstorm:aborted_requests_total", phase="decode") == 1
+    exposition = metrics.exposition().decode()
+    assert metric_value(exposition, "kvstorm:aborted_requests_total", phase="decode", reason="slow_client") == 1
