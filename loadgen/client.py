@@ -16,7 +16,7 @@ import aiohttp
 from loadgen.counters import RunCounters
 from loadgen.records import Outcome, RequestRecord
 from loadgen.tracker import StreamTracker
-from loadgen.workloads import PlannedRequest
+from loadgen.workloads import PlannedRequest, request_body
 
 
 class StallTimeout(Exception):
@@ -26,11 +26,10 @@ class StallTimeout(Exception):
 class StreamingClient:
     """One aiohttp session for a whole run; :meth:`send` streams one planned request and returns its record.
 
-    ``exact_output`` asks for exactly ``max_tokens`` tokens with ``ignore_eos`` and ``min_tokens`` (vLLM, SGLang
-    and kvstorm read them; a server that does not may stop early or reject the request, and the report says so).
-    ``request_timeout_s`` bounds a whole request (client_timeout); ``stall_timeout_s`` bounds each gap between
-    tokens once the first token arrived (broken_stream). The time to the first token is bounded only by the
-    request timeout, because queueing before it is the server's legitimate choice.
+    ``exact_output``: see :func:`loadgen.workloads.request_body`. ``request_timeout_s`` bounds a whole request
+    (client_timeout); ``stall_timeout_s`` bounds each gap between tokens once the first token arrived
+    (broken_stream). The time to the first token is bounded only by the request timeout, because queueing before
+    it is the server's legitimate choice.
     """
 
     def __init__(
@@ -64,22 +63,10 @@ class StreamingClient:
         if self._session is not None:
             await self._session.close()
 
-    def request_body(self, planned: PlannedRequest) -> dict[str, Any]:
-        body = {
-            **planned.body,
-            "model": self.model,
-            "max_tokens": planned.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.exact_output:
-            body.update(ignore_eos=True, min_tokens=planned.max_tokens)
-        return {**body, **self.extra_body}
-
     async def send(self, planned: PlannedRequest, *, request_id: str, run_start_ts: float) -> RequestRecord:
         if self._session is None:
             raise RuntimeError("use StreamingClient as an async context manager")
-        body = self.request_body(planned)
+        body = request_body(planned, self.model, exact_output=self.exact_output, extra_body=self.extra_body)
         self.counters.num_sent += 1
         sent_ts = time.perf_counter()
         tracker = StreamTracker(
@@ -89,6 +76,7 @@ class StreamingClient:
             sent_ts=sent_ts,
             run_start_ts=run_start_ts,
             requested_output_tokens=planned.max_tokens,
+            stall_timeout_s=self.stall_timeout_s,
         )
         record = await self._stream(planned.path, body, request_id, tracker)
         self.counters.num_finished += 1

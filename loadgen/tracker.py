@@ -17,7 +17,8 @@ class StreamTracker:
     """Owns the timing and integrity state of one stream from the moment it was sent.
 
     Call :meth:`feed` with each read, then :meth:`finish` once, with the outcome the transport saw (or None when
-    the stream reached EOF normally); it decides the final outcome from the stream's own evidence."""
+    the stream reached EOF normally); it decides the final outcome from the stream's own evidence, including any
+    gap longer than ``stall_timeout_s``."""
 
     def __init__(
         self,
@@ -28,10 +29,12 @@ class StreamTracker:
         sent_ts: float,
         run_start_ts: float,
         requested_output_tokens: int,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.index, self.request_id, self.scheduled_s = index, request_id, scheduled_s
         self.sent_ts, self.run_start_ts = sent_ts, run_start_ts
         self.requested_output_tokens = requested_output_tokens
+        self.stall_timeout_s = stall_timeout_s
         self.token_ts: list[float] = []
         self.http_status: int | None = None
         self.finish_reason: str | None = None
@@ -126,6 +129,10 @@ class StreamTracker:
             problems.append("stream ended without [DONE]")
         if self.finish_reason is None:
             problems.append("no finish_reason")
+        # A transport that cannot cut a stall while it happens (a blocking read) still reports it afterwards.
+        longest_gap_s = max((b - a for a, b in zip(self.token_ts, self.token_ts[1:], strict=False)), default=0.0)
+        if self.stall_timeout_s is not None and longest_gap_s > self.stall_timeout_s:
+            problems.append(f"stalled: a {longest_gap_s:.3f} s gap (stall timeout {self.stall_timeout_s:g} s)")
         usage_tokens = self.usage.get("completion_tokens") if self.usage else None
         if usage_tokens is not None and usage_tokens != len(self.token_ts):
             problems.append(f"usage.completion_tokens={usage_tokens} but {len(self.token_ts)} token chunks arrived")

@@ -47,6 +47,24 @@ class PlannedRequest:
     prompt_len_hint: int
 
 
+def request_body(
+    planned: PlannedRequest, model: str, *, exact_output: bool, extra_body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON body of a streamed request. ``exact_output`` asks for exactly ``max_tokens`` tokens with
+    ``ignore_eos`` and ``min_tokens`` (vLLM, SGLang and kvstorm read them; a server that does not may stop early or
+    reject the request, and the report says so). Usage comes in the last chunk (``include_usage``)."""
+    body = {
+        **planned.body,
+        "model": model,
+        "max_tokens": planned.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if exact_output:
+        body.update(ignore_eos=True, min_tokens=planned.max_tokens)
+    return {**body, **(extra_body or {})}
+
+
 def sample_lengths(text: str, count: int, rng: np.random.Generator) -> np.ndarray:
     """``count`` integer lengths >= 1 from a length spec."""
     spec = parse_spec(text, LENGTH_KINDS)
