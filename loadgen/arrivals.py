@@ -46,8 +46,6 @@ def make_arrivals(text: str, *, num_requests: int | None, duration_s: float | No
     if spec.kind == "trace":
         arrivals = _trace(spec)
     else:
-        if num_requests is None and duration_s is None:
-            raise ValueError(f"{text!r}: give --num-requests or --duration to bound the run")
         rng = np.random.default_rng(seed)
         offsets = _offsets(spec, rng, num_requests, duration_s)
         arrivals = [Arrival(float(offset)) for offset in offsets]
@@ -60,6 +58,7 @@ def _offsets(spec: Spec, rng: np.random.Generator, num_requests: int | None, dur
     if spec.kind in ("constant", "poisson", "gamma"):
         spec.check_keys({"rate", "burstiness"} if spec.kind == "gamma" else {"rate"})
         rate = spec.get_float("rate", minimum=1e-9)
+        _check_bounded(spec, num_requests, duration_s)
         count = num_requests if num_requests is not None else int(np.ceil(rate * duration_s * 1.5)) + 16
         if spec.kind == "constant":
             return np.arange(count) / rate
@@ -69,7 +68,13 @@ def _offsets(spec: Spec, rng: np.random.Generator, num_requests: int | None, dur
         # The first request leaves at 0 so runs of different processes line up.
         return np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
     segments = _onoff_segments(spec) if spec.kind == "onoff" else _step_segments(spec)
+    _check_bounded(spec, num_requests, duration_s)
     return _piecewise(segments, spec.get_str("spacing", "poisson"), rng, num_requests, duration_s)
+
+
+def _check_bounded(spec: Spec, num_requests: int | None, duration_s: float | None) -> None:
+    if num_requests is None and duration_s is None:
+        raise ValueError(f"{spec.text!r}: give --num-requests or --duration to bound the run")
 
 
 def _onoff_segments(spec: Spec) -> tuple[list[tuple[float, float]], bool]:
@@ -115,11 +120,14 @@ def _piecewise(
         piece_end = piece_start + length_s
         if rate > 0:
             t = piece_start + (rng.exponential(1.0 / rate) if spacing == "poisson" else 0.0)
+            num_in_piece = 0
             while t < piece_end and (num_requests is None or len(offsets) < num_requests):
                 if duration_s is not None and t >= duration_s:
                     break
                 offsets.append(t)
-                t += rng.exponential(1.0 / rate) if spacing == "poisson" else 1.0 / rate
+                num_in_piece += 1
+                # Even spacing from the piece's start, not by accumulation: no float drift across a boundary.
+                t = t + rng.exponential(1.0 / rate) if spacing == "poisson" else piece_start + num_in_piece / rate
         if piece_end == float("inf"):
             break
         piece_start = piece_end
