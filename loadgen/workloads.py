@@ -44,7 +44,6 @@ class PlannedRequest:
     path: str
     body: dict[str, Any]
     max_tokens: int
-    prompt_len_hint: int
 
 
 def request_body(
@@ -125,7 +124,7 @@ def build_plan(
             path, body = CHAT_PATH, {"messages": [{"role": "user", "content": text}]}
         else:
             path, body, max_tokens = _jsonl_request(jsonl_items[index % len(jsonl_items)], max_tokens, spec)
-        plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens, prompt_len))
+        plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens))
     return plan
 
 

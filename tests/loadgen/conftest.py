@@ -1,69 +1,30 @@
 """Helpers of the load-generation tests: the scripted server and ``kvstorm bench serve``, each in its own process.
 
 Own processes, because the client under test must not share an event loop (or a GIL) with the yardstick it is
-measured against. Both run in a new session at real-time priority (SCHED_FIFO 1) where the tests may set it (root:
-CI and the dev machines), else at nice -10 where allowed, else as they are. The machine is shared: a yardstick
-that waits for a CPU behind someone else's compiler bends by a whole scheduler slice (3 ms and more), and nice alone
-does not help across sessions (the kernel groups CPU time per session). Both processes sleep most of the time
-(well under one core each), and the kernel caps real-time tasks at 95% of a CPU, so nothing else starves.
+measured against; both start at timing priority (:func:`loadgen.scripted_server.prioritize_timing`): the machine is
+shared, and a yardstick that waits for a CPU behind someone else's compiler bends by a scheduler slice (3 ms and
+more).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
+from loadgen.scripted_server import prioritize_timing, scripted_server_process
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def raise_priority() -> None:
-    """preexec_fn of the timing-sensitive children (started with ``start_new_session=True``)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.nice(-10)
 
 
 def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
-class ScriptedServer:
-    def __init__(self, process: subprocess.Popen, base_url: str) -> None:
-        self.process, self.base_url = process, base_url
-
-    def script_log(self) -> dict[str, dict]:
-        """The server's log of every request, by X-Request-Id."""
-        with urllib.request.urlopen(self.base_url + "/script-log", timeout=30) as response:
-            return {entry["request_id"]: entry for entry in json.load(response)}
-
-
-@contextlib.contextmanager
-def scripted_server(*args: str) -> Iterator[ScriptedServer]:
-    """``python -m loadgen.scripted_server ARGS`` on a free loopback port, terminated on exit."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.scripted_server", "--port", "0", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        preexec_fn=raise_priority,
-        start_new_session=True,
-    )
-    try:
-        line = process.stdout.readline()
-        if not line.startswith("listening on "):
-            raise RuntimeError(f"scripted server did not start: {line!r}")
-        yield ScriptedServer(process, "http://" + line.removeprefix("listening on ").strip())
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+def scripted_server(*args: str):
+    """The scripted server with ARGS, in its own process (the repository on its path)."""
+    return scripted_server_process(*args, env=child_env())
 
 
 def run_bench_serve(base_url: str, results_dir: Path, *args: str, timeout_s: float = 120) -> Path:
@@ -75,7 +36,7 @@ def run_bench_serve(base_url: str, results_dir: Path, *args: str, timeout_s: flo
         text=True,
         timeout=timeout_s,
         env=child_env(),
-        preexec_fn=raise_priority,
+        preexec_fn=prioritize_timing,
         start_new_session=True,
         check=False,
     )

@@ -92,7 +92,7 @@ def test_random_workload_sends_token_ids_in_the_safe_range():
     plan = build_plan(arrivals, "random:low=100,high=200", input_len="uniform:5-50", output_len="fixed:8")
     for planned in plan:
         assert planned.path == COMPLETIONS_PATH
-        assert len(planned.body["prompt"]) == planned.prompt_len_hint
+        assert 5 <= len(planned.body["prompt"]) <= 50
         assert all(100 <= token_id < 200 for token_id in planned.body["prompt"])
     assert len({tuple(p.body["prompt"]) for p in plan}) == 20
 
