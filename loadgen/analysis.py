@@ -12,6 +12,7 @@ request; for ITL, the request's longest gap), per second of the run.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel
@@ -94,7 +95,7 @@ def parse_slos(text: str | None) -> list[Slo]:
     return slos
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slos: list[Slo] = ()) -> Summary:
+def summarize(records: list[RequestRecord], duration_s: float, slos: Sequence[Slo] = ()) -> Summary:
     ok = [record for record in records if record.outcome is Outcome.OK]
     stats = {
         "ttft": LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 
 from loadgen.analysis import advisories, parse_slos, summarize
 from loadgen.arrivals import make_arrivals
@@ -22,7 +23,7 @@ from loadgen.workloads import build_plan
 async def run_benchmark(
     config: RunConfig,
     *,
-    fault_windows: list[FaultWindow] = (),
+    fault_windows: Sequence[FaultWindow] = (),
     prometheus_url: str | None = None,
     prometheus_step_s: float = 1.0,
     extra_body: dict | None = None,

@@ -55,7 +55,7 @@ class StreamingClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> StreamingClient:
-        connector = aiohttp.TCPConnector(limit=0, force_close=False)
+        connector = aiohttp.TCPConnector(limit=0)
         self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 

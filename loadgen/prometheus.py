@@ -3,6 +3,8 @@ preemption rate, over the run's wall-clock window. vLLM's metric names, which kv
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 
 from loadgen.results import PromSeries
@@ -29,7 +31,7 @@ async def fetch_series(
             try:
                 async with session.get(url, params=params) as response:
                     payload = await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
                 notes.append(f"Prometheus query {query!r} failed: {error}")
                 continue
             results = (payload.get("data") or {}).get("result") or []

@@ -12,6 +12,7 @@ import asyncio
 import gc
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from loadgen.client import StreamingClient
@@ -62,7 +63,9 @@ async def run_open_loop(
     return records, RunTiming(run_id, start_ts, start_unix, duration_s)
 
 
-async def _dispatch(plan: list[PlannedRequest], one, start_ts: float) -> list[RequestRecord]:
+async def _dispatch(
+    plan: list[PlannedRequest], one: Callable[[PlannedRequest], Awaitable[RequestRecord]], start_ts: float
+) -> list[RequestRecord]:
     tasks = []
     for planned in plan:
         delay_s = start_ts + planned.offset_s - time.perf_counter()

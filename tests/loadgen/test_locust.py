@@ -1,12 +1,17 @@
-"""The Locust front, run as users run it: headless and distributed (master + worker), each in its own processes
-(gevent's monkey-patching never enters the pytest process), for a few seconds against the scripted server."""
+"""The Locust front, run as users run it: headless, distributed (master + worker) and from the web UI, each in its
+own processes (gevent's monkey-patching never enters the pytest process), for seconds against the scripted server."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import json
 import socket
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
@@ -82,3 +87,39 @@ def test_distributed_master_and_worker(tmp_path):
     assert master.returncode in (0, 1), output
     assert "to 1 ready workers" in output  # the load ran on the worker
     check_stats(read_stats(tmp_path / "dist"))
+
+
+def test_web_ui_swarm_shows_the_stream_request_types(tmp_path):
+    web_port = free_port()
+    with scripted_server() as server:
+        process = locust(
+            "--host", server.base_url, "--model", "m", "--output-len", "fixed:10", "--web-host", "127.0.0.1",
+            "--web-port", str(web_port), cwd=tmp_path,
+        )  # fmt: skip
+        try:
+            ui = f"http://127.0.0.1:{web_port}"
+            _wait_for(lambda: urllib.request.urlopen(ui, timeout=1).status == 200)
+            form = urllib.parse.urlencode({"user_count": 4, "spawn_rate": 4, "host": server.base_url}).encode()
+            started = json.load(urllib.request.urlopen(f"{ui}/swarm", data=form, timeout=5))
+            assert started["success"], started
+
+            def counts() -> dict[str, int]:
+                stats = json.load(urllib.request.urlopen(f"{ui}/stats/requests", timeout=5))["stats"]
+                return {row["method"]: row["num_requests"] for row in stats}
+
+            _wait_for(lambda: counts().get("TTFT", 0) >= 4 and counts().get("ITL", 0) >= 36)
+            assert counts().get("E2E", 0) >= 4
+        finally:
+            process.terminate()
+            process.communicate(timeout=30)
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            if condition():
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.2)
