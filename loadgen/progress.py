@@ -39,7 +39,10 @@ class LiveProgress:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._refresh()
+        # The last line stays on screen: it shows the whole run's average rate, not the last half second's.
+        elapsed_s = time.perf_counter() - self._start_ts
+        self._tokens_per_s = self.counters.num_tokens / elapsed_s if elapsed_s > 0 else 0.0
+        self._live.update(self.render(elapsed_s), refresh=True)
         self._live.stop()
 
     async def _refresh_forever(self) -> None:

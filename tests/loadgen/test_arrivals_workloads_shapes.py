@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from setuptools.config.pyprojecttoml import read_configuration
 
 from loadgen.arrivals import make_arrivals
 from loadgen.shapes import make_shape
@@ -58,6 +57,10 @@ def test_trace_replay_keeps_times_and_lengths(tmp_path):
     assert [(a.offset_s, a.prompt_len, a.output_len) for a in arrivals] == [(0.0, 5, 9), (0.25, 7, 3)]
     plan = build_plan(arrivals, "random", input_len="fixed:100", output_len="fixed:100")
     assert [(len(p.body["prompt"]), p.max_tokens) for p in plan] == [(5, 9), (7, 3)]
+    csv_trace = tmp_path / "trace.csv"
+    csv_trace.write_text("timestamp,prompt_len,output_len\n3.0,4,2\n1.0,6,8\n")
+    arrivals = make_arrivals(f"trace:path={csv_trace}", num_requests=None, duration_s=None)
+    assert [(a.offset_s, a.prompt_len, a.output_len) for a in arrivals] == [(0.0, 6, 8), (2.0, 4, 2)]
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,8 @@ def test_request_body_asks_for_exact_output_lengths_and_usage():
 
 
 def test_corpus_ships_as_package_data():
-    config = read_configuration(Path(__file__).parents[2] / "pyproject.toml")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert "corpus.txt" in config["tool"]["setuptools"]["package-data"]["loadgen"]
 
 
