@@ -27,7 +27,7 @@ from locust import HttpUser, LoadTestShape, constant, events, task
 from urllib3.exceptions import ReadTimeoutError
 
 from loadgen.arrivals import Arrival
-from loadgen.records import Outcome
+from loadgen.records import Outcome, RequestRecord
 from loadgen.shapes import make_shape
 from loadgen.spec import parse_duration
 from loadgen.tracker import StreamTracker
@@ -103,7 +103,7 @@ class StreamingUser(HttpUser):
                 response.failure(f"{record.outcome.value}: {record.error}")
         self._report(planned.path, record)
 
-    def _read(self, response, tracker: StreamTracker):
+    def _read(self, response: requests.Response, tracker: StreamTracker) -> RequestRecord:
         try:
             for chunk in response.iter_content(chunk_size=None):
                 tracker.feed(chunk, time.perf_counter())
@@ -117,7 +117,7 @@ class StreamingUser(HttpUser):
             return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, f"{type(error).__name__}: {error}")
         return tracker.finish(time.perf_counter())
 
-    def _report(self, name: str, record) -> None:
+    def _report(self, name: str, record: RequestRecord) -> None:
         fire = self.environment.events.request.fire
         if record.ttft_s is not None:
             fire(
@@ -144,21 +144,17 @@ class StreamingUser(HttpUser):
 
 
 class KvstormShape(LoadTestShape):
-    """Delegates to :func:`loadgen.shapes.make_shape`; reads -u, -r and -t (``use_common_options``)."""
+    """Delegates to :func:`loadgen.shapes.make_shape`; reads -u, -r and -t (``use_common_options``), which the web UI
+    may change between runs, so the shape is rebuilt from the current options at every tick (once a second)."""
 
     use_common_options = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._shape = None
-
-    def tick(self):
-        if self._shape is None:
-            options = self.runner.environment.parsed_options
-            self._shape = make_shape(
-                options.shape,
-                default_users=options.num_users or 1,
-                spawn_rate=options.spawn_rate,
-                run_time_s=options.run_time or None,
-            )
-        return self._shape.tick(self.get_run_time())
+    def tick(self) -> tuple[int, float] | None:
+        options = self.runner.environment.parsed_options
+        shape = make_shape(
+            options.shape,
+            default_users=options.num_users or 1,
+            spawn_rate=options.spawn_rate,
+            run_time_s=options.run_time or None,
+        )
+        return shape.tick(self.get_run_time())
