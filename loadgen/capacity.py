@@ -1,9 +1,9 @@
 """How much one core of the client sustains: streamed tokens/s and concurrent streams with timing error under 1 ms.
 
 For each level (concurrent streams), the scripted server, alone on CPU 1, streams ``num_tokens`` tokens per request
-``gap_s`` apart after ``ttft_s``; the client, alone on CPU 0 (this process, pinned for the measurement), sends a
-constant rate that keeps that many streams open. Timing error is what the client recorded for each token minus the
-server's stamp after writing it (same monotonic clock). Both run at timing priority where allowed
+``gap_s`` apart after ``ttft_s``; the client, alone on CPU 0 (this process, pinned for the measurement), sends
+Poisson arrivals at the rate that keeps that many streams open. Timing error is what the client recorded for each
+token minus the server's stamp after writing it (same monotonic clock). Both run at timing priority where allowed
 (:func:`loadgen.scripted_server.prioritize_timing`). A level counts as sustained when the error's p99 is under 1 ms
 and the server kept its own schedule (else the server, not the client, was the limit, and the row says so).
 """
@@ -90,7 +90,9 @@ def measure_level(
 async def _run(server: ServerProcess, rate: float, num_requests: int, num_tokens: int, window: tuple[float, float]):
     """Run one level; CPU seconds of client and server are taken over ``window`` (offsets from the start), the
     steady part between the ramp-up (the first streams still opening) and the drain."""
-    arrivals = make_arrivals(f"constant:rate={rate:.6f}", num_requests=num_requests, duration_s=None)
+    # Poisson, not constant: evenly spaced starts would put the streams' ticks in a few phase clusters of the gap
+    # (every stream writing at the same instants), a worst case that real traffic does not have.
+    arrivals = make_arrivals(f"poisson:rate={rate:.6f}", num_requests=num_requests, duration_s=None, seed=1)
     plan = build_plan(arrivals, "random", input_len="fixed:16", output_len=f"fixed:{num_tokens}")
     async with StreamingClient(server.base_url, "m", request_timeout_s=120, stall_timeout_s=30) as client:
         cpu = asyncio.create_task(_cpu_seconds_in(window, time.perf_counter() + START_DELAY_S, server.process.pid))

@@ -87,8 +87,8 @@ def run_bench_client_capacity(args: argparse.Namespace) -> BenchReport:
     lines = [
         f"Scripted server on CPU 1 (TTFT {args.ttft * 1e3:g} ms, one token every {args.gap * 1e3:g} ms, "
         f"{args.tokens} tokens per stream), client alone on CPU 0, both at real-time priority where allowed; "
-        f"constant arrivals that keep each level's streams open for {args.steady:g} s. Timing error: the client's "
-        "recorded arrival of each token minus the server's stamp after writing it (same monotonic clock). "
+        f"Poisson arrivals at the rate that keeps each level's streams open, for {args.steady:g} s. Timing error: "
+        "the client's recorded arrival of each token minus the server's stamp after writing it (same monotonic clock). "
         f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; load average "
         f"{load_before:.2f} before, {load_after:.2f} after (the machine is shared with other work).",
         "",
