@@ -1,8 +1,10 @@
 """Checks one OpenAI-compatible SSE stream and turns what arrived, and when, into a :class:`RequestRecord`.
 
 Transport-free: the asyncio client and the Locust user feed it the bytes they read and the monotonic time they read
-them. A token is one chunk whose text (completions ``choices[0].text``, chat ``choices[0].delta.content``) is not
-empty; that is one token per chunk on kvstorm and vLLM. Role-only and finish-only chunks are not tokens.
+them. A token is one chunk that carries text (completions ``choices[0].text``, chat ``choices[0].delta.content``),
+even empty text (vLLM streams a token that ends inside a UTF-8 character as an empty chunk): one token per chunk, as
+kvstorm and vLLM stream. A chat role announcement and an empty chunk that only carries the finish reason are not
+tokens.
 """
 
 from __future__ import annotations
@@ -75,14 +77,14 @@ class StreamTracker:
             self._choice(choice, now_ts)
 
     def _choice(self, choice: dict, now_ts: float) -> None:
-        text = choice.get("text")
-        if text is None:
-            text = (choice.get("delta") or {}).get("content")
-        if text:
+        delta = choice.get("delta") or {}
+        text = choice["text"] if "text" in choice else delta.get("content")
+        reason = choice.get("finish_reason")
+        # Empty text still counts: vLLM sends a token that ends inside a UTF-8 character as an empty chunk.
+        if isinstance(text, str) and "role" not in delta and (text or reason is None):
             if self.finish_reason is not None:
                 self._problem("token chunk after the finish reason")
             self.token_ts.append(now_ts)
-        reason = choice.get("finish_reason")
         if reason is not None:
             if self.finish_reason is not None:
                 self._problem("second finish reason")

@@ -116,6 +116,22 @@ def test_broken_streams_are_named(chunks, problem):
     assert problem in record.error
 
 
+def test_what_counts_as_a_token():
+    usage = f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 3}})}\n\n".encode()
+    record = run(
+        [
+            (10.1, chat(None)),  # role announcement
+            (10.2, chat("\u00e9")),
+            (10.3, chat("")),  # a token that ends inside a UTF-8 character: empty text, still a token
+            (10.4, chat("x")),
+            (10.5, chat("", "length") + usage + DONE),  # finish-only chunk: not a token
+        ]
+    )
+    assert record.outcome is Outcome.OK, record.error
+    assert record.delivered_tokens == 3
+    assert record.ttft_s == pytest.approx(0.2)
+
+
 def test_a_gap_longer_than_the_stall_timeout_breaks_the_stream():
     chunks = [(10.1, completion("a")), (11.7, completion("b", "stop") + DONE)]
     assert run(chunks, stall_timeout_s=2.0).outcome is Outcome.OK
