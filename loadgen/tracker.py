@@ -80,8 +80,9 @@ class StreamTracker:
         delta = choice.get("delta") or {}
         text = choice["text"] if "text" in choice else delta.get("content")
         reason = choice.get("finish_reason")
-        # Empty text still counts: vLLM sends a token that ends inside a UTF-8 character as an empty chunk.
-        if isinstance(text, str) and "role" not in delta and (text or reason is None):
+        # Empty text still counts (vLLM sends a token that ends inside a UTF-8 character as an empty chunk), unless
+        # the chunk only announces the role or the finish. TGI repeats the role in every delta: text decides there.
+        if isinstance(text, str) and (text or ("role" not in delta and reason is None)):
             if self.finish_reason is not None:
                 self._problem("token chunk after the finish reason")
             self.token_ts.append(now_ts)

@@ -118,12 +118,13 @@ def test_broken_streams_are_named(chunks, problem):
 
 def test_what_counts_as_a_token():
     usage = f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 3}})}\n\n".encode()
+    tgi_style = f"data: {json.dumps({'choices': [{'delta': {'role': 'assistant', 'content': 'x'}}]})}\n\n".encode()
     record = run(
         [
             (10.1, chat(None)),  # role announcement
             (10.2, chat("\u00e9")),
             (10.3, chat("")),  # a token that ends inside a UTF-8 character: empty text, still a token
-            (10.4, chat("x")),
+            (10.4, tgi_style),  # TGI repeats the role in every delta: the text makes it a token
             (10.5, chat("", "length") + usage + DONE),  # finish-only chunk: not a token
         ]
     )
