@@ -4,8 +4,9 @@ For each level (concurrent streams), the scripted server, alone on CPU 1, stream
 ``gap_s`` apart after ``ttft_s``; the client, alone on CPU 0 (this process, pinned for the measurement), sends
 Poisson arrivals at the rate that keeps that many streams open. Timing error is what the client recorded for each
 token minus the server's stamp after writing it (same monotonic clock). Both run at timing priority where allowed
-(:func:`loadgen.scripted_server.prioritize_timing`). A level counts as sustained when the error's p99 is under 1 ms
-and the server kept its own schedule (else the server, not the client, was the limit, and the row says so).
+(:func:`loadgen.scripted_server.prioritize_timing`). A level counts as sustained when the error's p99 is under
+1 ms and no request failed. Each row also shows the server's lateness against its own script: when that is large,
+the server (or a neighbour on its CPU), not the client, set the limit. Linux only (CPU pinning, /proc).
 """
 
 from __future__ import annotations

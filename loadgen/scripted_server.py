@@ -210,7 +210,7 @@ def prioritize_timing(cpu: int | None = None) -> None:
         os.sched_setaffinity(0, {cpu})
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-    except OSError:
+    except (OSError, AttributeError):  # AttributeError: not Linux
         with contextlib.suppress(OSError):
             os.nice(-10)
 
