@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,17 +60,32 @@ def _offsets(spec: Spec, rng: np.random.Generator, num_requests: int | None, dur
         spec.check_keys({"rate", "burstiness"} if spec.kind == "gamma" else {"rate"})
         rate = spec.get_float("rate", minimum=1e-9)
         _check_bounded(spec, num_requests, duration_s)
-        count = num_requests if num_requests is not None else int(np.ceil(rate * duration_s * 1.5)) + 16
         if spec.kind == "constant":
-            return np.arange(count) / rate
+            bound = int(np.ceil(rate * duration_s)) + 1 if duration_s is not None else num_requests
+            return np.arange(min(bound, num_requests or bound)) / rate
         burstiness = spec.get_float("burstiness", 1.0, minimum=1e-9) if spec.kind == "gamma" else 1.0
         # Gamma gaps with shape k and mean 1/rate (as vLLM's benchmark draws them); k = 1 is Poisson.
-        gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
-        # The first request leaves at 0 so runs of different processes line up.
-        return np.concatenate([[0.0], np.cumsum(gaps)[:-1]])
+        batch = num_requests or int(np.ceil(rate * duration_s)) + 16
+
+        def draw_gaps() -> np.ndarray:
+            return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=batch)
+
+        return _renewal(draw_gaps, num_requests, duration_s)
     segments = _onoff_segments(spec) if spec.kind == "onoff" else _step_segments(spec)
     _check_bounded(spec, num_requests, duration_s)
     return _piecewise(segments, spec.get_str("spacing", "poisson"), rng, num_requests, duration_s)
+
+
+def _renewal(draw_gaps: Callable[[], np.ndarray], num_requests: int | None, duration_s: float | None) -> np.ndarray:
+    """Offsets 0, g1, g1 + g2, ... drawn in batches until either bound is reached (the first request leaves at 0,
+    so runs of different processes line up)."""
+    offsets = np.zeros(1)
+    while not (
+        (num_requests is not None and len(offsets) >= num_requests)
+        or (duration_s is not None and offsets[-1] >= duration_s)
+    ):
+        offsets = np.concatenate([offsets, offsets[-1] + np.cumsum(draw_gaps())])
+    return offsets
 
 
 def _check_bounded(spec: Spec, num_requests: int | None, duration_s: float | None) -> None:

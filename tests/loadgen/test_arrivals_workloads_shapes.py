@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.arrivals import make_arrivals
+from loadgen.arrivals import _renewal, make_arrivals
 from loadgen.shapes import make_shape
 from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, request_body, sample_lengths
 
@@ -148,3 +148,11 @@ def test_shapes_over_time():
     assert make_shape("constant", default_users=7, spawn_rate=None, run_time_s=None).tick(3) == (7, 7.0)
     with pytest.raises(ValueError, match="missing max"):
         make_shape("step:start=5,step=5,step_s=30", default_users=1, spawn_rate=None, run_time_s=None)
+
+
+def test_gaps_are_drawn_until_the_bound_however_bursty():
+    # Batches of three 1 s gaps: a duration of 10 s needs four batches, a count of 5 needs two.
+    np.testing.assert_array_equal(_renewal(lambda: np.ones(3), None, 10.0), np.arange(13.0))
+    np.testing.assert_array_equal(_renewal(lambda: np.ones(3), 5, None), np.arange(7.0))
+    bursty = make_arrivals("gamma:rate=10,burstiness=0.02", num_requests=None, duration_s=60, seed=0)
+    assert bursty[-1].offset_s > 30  # not cut off after a fixed number of draws
