@@ -140,7 +140,9 @@ class ScriptedServer:
             await self._write_stream(request, response, log, chat)
         return response
 
-    async def _write_stream(self, request: web.Request, response: web.StreamResponse, log: StreamLog, chat: bool):
+    async def _write_stream(
+        self, request: web.Request, response: web.StreamResponse, log: StreamLog, chat: bool
+    ) -> None:
         newline = "\r\n" if log.fault == "keepalive" else "\n"
         frame = _Framer(log.request_id, chat, newline)
         if chat:

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 from aiohttp import web
 
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.records import Outcome
 from loadgen.report import write_report
-from loadgen.results import FaultWindow, RunConfig, RunResult
+from loadgen.results import FaultWindow, RunConfig, RunResult, read_fault_windows
 from tests.loadgen.conftest import child_env, scripted_server
 
 
@@ -107,3 +108,12 @@ def test_cli_refuses_a_bad_slo_before_sending_anything():
     )  # fmt: skip
     assert result.returncode == 2
     assert "METRIC_STAT=DURATION" in result.stderr
+
+
+def test_fault_windows_file_of_a_chaos_timeline(tmp_path):
+    path = tmp_path / "faults.json"
+    path.write_text('[{"name": "kv cap 50%", "start_unix": 100.5, "end_unix": 130}]')
+    assert read_fault_windows(path) == [FaultWindow(name="kv cap 50%", start_unix=100.5, end_unix=130.0)]
+    path.write_text('[{"name": "no end", "start_unix": 1}]')
+    with pytest.raises(ValueError, match="end_unix"):
+        read_fault_windows(path)
