@@ -31,6 +31,47 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    q,
+    acc,
+    running_max,
+    running_sum,
+    positions,
+    key_valid,
+    visible,
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    kv_head,
+    scale,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One online-softmax step: the rows of ``q`` against the keys at ``positions`` of one sequence (read through
+    its block ``table``), where ``visible``; returns the updated accumulator, running max and running sum."""
+    block_ids = tl.load(table + positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+    rows = (
+        block_ids[:, None] * stride_cache_block
+        + (positions % BLOCK_SIZE)[:, None] * stride_cache_token
+        + kv_head * stride_cache_head
+        + tl.arange(0, HEAD_DIM)[None, :]
+    )
+    k = tl.load(k_cache_ptr + rows, mask=key_valid[:, None], other=0.0)
+    scores = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    correction = tl.exp(running_max - new_max)
+    probs = tl.exp(scores - new_max[:, None])
+    running_sum = running_sum * correction + tl.sum(probs, axis=1)
+    v = tl.load(v_cache_ptr + rows, mask=key_valid[:, None], other=0.0)
+    acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, IEEE)
+    return acc, new_max, running_sum
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,
     value_ptr,
@@ -147,23 +188,10 @@ def _paged_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         valid = positions < end
-        block_ids = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = (
-            block_ids[:, None] * stride_cache_block
-            + (positions % BLOCK_SIZE)[:, None] * stride_cache_token
-            + kv_head * stride_cache_head
-            + dims[None, :]
-        )
-        k = tl.load(k_cache_ptr + rows, mask=valid[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), IEEE) * scale  # [GROUP_PAD, BLOCK_N]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + rows, mask=valid[:, None], other=0.0)
-        acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, IEEE)
-        running_max = new_max
+        acc, running_max, running_sum = _attend_tile(
+            q, acc, running_max, running_sum, positions, valid, valid[None, :], k_cache_ptr, v_cache_ptr, table,
+            kv_head, scale, stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE, IEEE,
+        )  # fmt: skip
 
     if SINGLE_PARTITION:
         out = acc / running_sum[:, None]
@@ -343,24 +371,11 @@ def _paged_prefill_kernel(
     for tile_start in range(0, key_end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
         key_valid = positions < key_end
-        block_ids = tl.load(table + positions // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_rows = (
-            block_ids[:, None] * stride_cache_block
-            + (positions % BLOCK_SIZE)[:, None] * stride_cache_token
-            + kv_head * stride_cache_head
-            + dims[None, :]
-        )
-        k = tl.load(k_cache_ptr + kv_rows, mask=key_valid[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), IEEE) * scale  # [BLOCK_M, BLOCK_N]
         visible = key_valid[None, :] & (positions[None, :] <= query_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        correction = tl.exp(running_max - new_max)
-        probs = tl.exp(scores - new_max[:, None])
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
-        v = tl.load(v_cache_ptr + kv_rows, mask=key_valid[:, None], other=0.0)
-        acc = acc * correction[:, None] + _dot(probs.to(v.dtype), v, IEEE)
-        running_max = new_max
+        acc, running_max, running_sum = _attend_tile(
+            q, acc, running_max, running_sum, positions, key_valid, visible, k_cache_ptr, v_cache_ptr, table,
+            kv_head, scale, stride_cache_block, stride_cache_token, stride_cache_head, HEAD_DIM, BLOCK_SIZE, IEEE,
+        )  # fmt: skip
 
     out = acc / running_sum[:, None]
     out_rows = (query_start + rows)[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
