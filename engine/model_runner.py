@@ -40,7 +40,7 @@ class ModelRunner:
         """Run one step; returns the sampled token of every request that ``needs_sample``."""
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
-        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy)
+        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
             return {}
@@ -56,10 +56,10 @@ class ModelRunner:
         return {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
 
     def swap_out(self, block_pairs: Sequence[tuple[int, int]]) -> None:
-        move_blocks(self.device_cache, self.host_cache, block_pairs)
+        move_blocks(self.device_cache, self.host_cache, block_pairs, self.model.backend)
 
     def swap_in(self, block_pairs: Sequence[tuple[int, int]]) -> None:
-        move_blocks(self.host_cache, self.device_cache, block_pairs)
+        move_blocks(self.host_cache, self.device_cache, block_pairs, self.model.backend)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget the random streams of requests that are done."""

@@ -48,6 +48,9 @@ def _bench_handler(run, section: str):
             f"## `kvstorm bench {section}`\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
         )
         print(markdown)
+        if report.failures:
+            print(f"kvstorm bench {section}: failed: {', '.join(report.failures)}", file=sys.stderr)
+            return 1
         if not args.no_docs:
             update_section(f"bench-{section}", markdown)
         return 0

@@ -8,13 +8,14 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import __doc__ as CAPACITY_DOC
 from loadgen.capacity import measure_capacity
+from loadgen.records import Outcome
 from loadgen.report import write_report
 from loadgen.results import RunConfig, read_fault_windows
 from loadgen.spec import parse_duration
@@ -23,7 +24,11 @@ from loadgen.workloads import __doc__ as WORKLOADS_DOC
 
 @dataclass(frozen=True)
 class BenchReport:
+    """What ``kvstorm bench`` prints and records; ``failures`` (non-empty: exit 1, nothing recorded) name what made
+    the numbers meaningless, e.g. a run in which no request succeeded."""
+
     markdown: str
+    failures: list[str] = field(default_factory=list)
 
 
 def _duration(text: str) -> float:
@@ -146,4 +151,5 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"
     result.write(json_path)
     write_report(result, html_path, bucket_s=args.bucket)
-    return BenchReport(f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`")
+    failures = [] if result.summary.outcomes[Outcome.OK] else ["no request succeeded"]
+    return BenchReport(f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`", failures)

@@ -25,13 +25,20 @@ def test_send_times_follow_the_schedule_while_the_server_slows_down(tmp_path):
     scheduled = np.asarray([r.scheduled_s for r in records])
     sent = np.asarray([r.sent_s for r in records])
     np.testing.assert_allclose(scheduled, np.arange(NUM_REQUESTS) / RATE)
+    # A client that waited for answers would be seconds late by the end; ours is late by a wakeup. The bounds on the
+    # tail leave room for a hiccup of the shared machine, far below what coordinated omission would cost.
     lag_ms = (sent - scheduled) * 1e3
     assert lag_ms.min() >= 0
     assert np.median(lag_ms) < 2.0
-    assert lag_ms.max() < 10.0
+    assert np.percentile(lag_ms, 90) < 10.0
+    assert lag_ms.max() < 100.0
+    assert abs(np.mean(lag_ms[-10:]) - np.mean(lag_ms[:10])) < 10.0  # no drift as the server slows down
     # The server saw them arrive on the same schedule (its clock, its stamps).
-    arrived = np.asarray([log[r.request_id]["received_ts"] - result.start_ts for r in records])
-    assert np.abs(arrived - scheduled).max() < 0.015
+    arrival_error_ms = (
+        np.abs(np.asarray([log[r.request_id]["received_ts"] - result.start_ts for r in records]) - scheduled) * 1e3
+    )
+    assert np.median(arrival_error_ms) < 5.0
+    assert arrival_error_ms.max() < 100.0
     # ... while answering ever later: the last request's TTFT is ~3 s, so dozens were in flight at once.
     ttft = np.asarray([r.ttft_s for r in records])
     assert ttft[-1] > ttft[0] + 2.5

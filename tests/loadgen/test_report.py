@@ -117,3 +117,17 @@ def test_fault_windows_file_of_a_chaos_timeline(tmp_path):
     path.write_text('[{"name": "no end", "start_unix": 1}]')
     with pytest.raises(ValueError, match="end_unix"):
         read_fault_windows(path)
+
+
+def test_cli_fails_when_no_request_succeeds(tmp_path):
+    with scripted_server("--fault-plan", "mixed") as server:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "serve", "--base-url", server.base_url + "/nope",
+             "--model", "m", "--num-requests", "3", "--arrival", "constant:rate=100", "--no-progress",
+             "--results-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=120, env=child_env(), check=False,
+        )  # fmt: skip
+    assert result.returncode == 1
+    assert "rejected 3" in result.stdout  # 404: every request rejected, and the run still written and summarized
+    assert "failed: no request succeeded" in result.stderr
+    assert len(list(tmp_path.glob("*.json"))) == 1
