@@ -74,17 +74,10 @@ def _timeline(result: RunResult, bucket_s: float) -> go.Figure:
                     col=1,
                 )
     for window in result.fault_windows:
-        fig.add_vrect(
-            x0=window.start_unix - result.start_unix,
-            x1=window.end_unix - result.start_unix,
-            fillcolor="#d62728",
-            opacity=0.15,
-            line_width=0,
-            row="all",
-            col=1,
-            annotation_text=window.name,
-            annotation_position="top left",
-        )
+        x0, x1 = window.start_unix - result.start_unix, window.end_unix - result.start_unix
+        fig.add_vrect(x0=x0, x1=x1, fillcolor="#d62728", opacity=0.15, line_width=0, row="all", col=1)
+        # The band crosses every row; its name is written once, at the top.
+        fig.add_annotation(x=x0, y=1, xref="x", yref="y domain", text=window.name, showarrow=False, xanchor="left")
     fig.update_layout(barmode="stack", height=240 * len(titles), title="Over time (seconds since the start)")
     fig.update_xaxes(title_text="seconds since the start", row=len(titles), col=1)
     return fig
