@@ -4,7 +4,7 @@ Each system runs in its own child process (so peak RSS is its own); the parent
 measures this CPU's float32 matmul rate (the roofline) and counts the FLOPs the
 workload needs.
 
-Workload w1-throughput: 128 requests of random token ids (100..49000), prompt
+Workload w1-throughput: 128 requests of random token ids (100..49000, below the vocabulary), prompt
 lengths uniform in [64, 512], output lengths uniform in [32, 256], greedy,
 ignore_eos (every request produces exactly its output length), all submitted
 at once, seed 0.
@@ -26,7 +26,7 @@ import torch
 from engine.bench_process import run_child
 from engine.model.config import ModelConfig
 
-MODEL = "smollm2-135m"
+PEER_MODEL = "smollm2-135m"  # the transformers peers load this GGUF
 
 
 @dataclass(frozen=True)
@@ -43,11 +43,13 @@ class Workload:
         return sum(self.output_lens)
 
 
-def w1_throughput(num_requests: int = 128, seed: int = 0) -> Workload:
+def w1_throughput(num_requests: int = 128, vocab_size: int = 49152, seed: int = 0) -> Workload:
+    """Token ids are drawn below ``vocab_size`` too, so small test models can run the workload."""
     rng = random.Random(seed)
+    max_token_id = min(49000, vocab_size - 1)
     prompts, output_lens = [], []
     for _ in range(num_requests):
-        prompts.append([rng.randint(100, 49000) for _ in range(rng.randint(64, 512))])
+        prompts.append([rng.randint(100, max_token_id) for _ in range(rng.randint(64, 512))])
         output_lens.append(rng.randint(32, 256))
     return Workload(prompts, output_lens)
 
@@ -79,14 +81,19 @@ def count_flops(config: ModelConfig, workload: Workload) -> WorkloadFlops:
     return WorkloadFlops(nominal=nominal, required=required, attention=attention)
 
 
-def measure_matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """Best float32 GFLOP/s of a size^3 matmul with torch's current thread count."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def measure_matmul_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best GFLOP/s of a square matmul in the engine's dtype on its device (torch's current thread count on CPU)."""
+    size = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         torch.mm(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
 
@@ -98,7 +105,7 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
     from engine.llm_engine import LLM
     from engine.sampling_params import SamplingParams
 
-    llm = LLM(MODEL, **options)
+    llm = LLM(**options)
     engine = llm.engine
     start = time.perf_counter()
     for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
@@ -122,6 +129,8 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
         "bytes_per_block": engine.bytes_per_block,
         "num_preemptions": engine.scheduler.num_preemptions,
         "attention_backend": type(engine.runner.model.backend).__name__,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
     }
 
 
@@ -130,7 +139,7 @@ def _load_transformers_model():
 
     from engine.model.registry import resolve_model
 
-    path = resolve_model(MODEL).path
+    path = resolve_model(PEER_MODEL).path
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
@@ -219,7 +228,9 @@ def run_system_in_child(name: str, num_requests: int, kvstorm_options: dict, tim
 
 
 def child_main(name: str, num_requests: int, kvstorm_options: dict, result_file: Path) -> None:
-    workload = w1_throughput(num_requests)
+    from engine.model.registry import resolve_model
+
+    workload = w1_throughput(num_requests, resolve_model(kvstorm_options["model"]).load_config().vocab_size)
     if name == "kvstorm":
         result = run_kvstorm(workload, kvstorm_options)
     elif name.startswith("transformers-static-"):
@@ -235,6 +246,7 @@ def child_main(name: str, num_requests: int, kvstorm_options: dict, result_file:
 class BenchReport:
     markdown: str
     data: dict
+    failures: list[str]  # systems that did not finish
 
 
 def run_offline_bench(
@@ -244,12 +256,14 @@ def run_offline_bench(
     include_continuous: bool,
     timeout_s: float,
 ) -> BenchReport:
-    from engine.model.registry import resolve_model
+    from engine.model.registry import resolve_device, resolve_dtype, resolve_model
 
-    workload = w1_throughput(num_requests)
-    config = resolve_model(MODEL).load_config()
+    config = resolve_model(kvstorm_options["model"]).load_config()
+    workload = w1_throughput(num_requests, config.vocab_size)
     flops = count_flops(config, workload)
-    matmul_gflops = measure_matmul_gflops()
+    device = resolve_device(kvstorm_options["device"])
+    dtype = resolve_dtype(kvstorm_options["dtype"], device)
+    matmul_gflops = measure_matmul_gflops(device, dtype)
     results = []
     for name in system_names(static_batch_sizes, include_continuous):
         print(f"[bench offline] running {name} ...", file=sys.stderr, flush=True)
@@ -257,6 +271,9 @@ def run_offline_bench(
         print(f"[bench offline] {name}: {results[-1].elapsed_s} s", file=sys.stderr, flush=True)
     data = {
         "workload": "w1-throughput",
+        "model": kvstorm_options["model"],
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()} CPU cores",
+        "dtype": str(dtype).removeprefix("torch."),
         "num_requests": num_requests,
         "prompt_tokens": workload.num_prompt_tokens,
         "output_tokens": workload.num_output_tokens,
@@ -265,7 +282,8 @@ def run_offline_bench(
         "threads": torch.get_num_threads(),
         "results": [asdict(r) for r in results],
     }
-    return BenchReport(render_markdown(data, results, config), data)
+    failures = [r.system for r in results if r.elapsed_s is None]
+    return BenchReport(render_markdown(data, results, config), data, failures)
 
 
 def render_markdown(data: dict, results: list[SystemResult], config: ModelConfig) -> str:
@@ -286,8 +304,8 @@ def render_markdown(data: dict, results: list[SystemResult], config: ModelConfig
         )
     lines = [
         f"Workload w1-throughput: {data['num_requests']} requests, {data['prompt_tokens']} prompt + "
-        f"{data['output_tokens']} output tokens, greedy, ignore_eos, all submitted at once; float32 on "
-        f"{os.cpu_count()} cores ({data['threads']} torch threads), model SmolLM2-135M. kvstorm runs first and last "
+        f"{data['output_tokens']} output tokens, greedy, ignore_eos, all submitted at once; {data['dtype']} on "
+        f"{data['device']} ({data['threads']} torch threads), model {data['model']}. kvstorm runs first and last "
         "(the machine's speed drifts); speed-ups and the roofline fraction use the slower kvstorm run. kvstorm's "
         "peak RSS includes its preallocated KV pool.",
         "",
@@ -304,7 +322,8 @@ def render_markdown(data: dict, results: list[SystemResult], config: ModelConfig
         contiguous = budget_tokens // config.max_position_embeddings
         lines += [
             "",
-            f"Roofline: a 2048^3 float32 matmul runs at **{roofline:.1f} GFLOP/s** here (same run, same threads). "
+            f"Roofline: a square {data['dtype']} matmul runs at **{roofline:.1f} GFLOP/s** here (same run, same "
+            "threads). "
             f"The workload needs {flops['nominal'] / 1e12:.2f} TFLOP counted the usual way (2 x parameters per "
             f"prompt and output token, plus {flops['attention'] / 1e12:.2f} TFLOP of attention); kvstorm's wall time "
             f"gives **{nominal_rate:.1f} GFLOP/s = {100 * nominal_rate / roofline:.0f}% of the roofline**. "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.async_engine import AdmissionLimits, AsyncEngine
 from engine.attention.selector import BACKENDS
-from engine.bench_offline import BenchReport, run_offline_bench
+from engine.bench_offline import PEER_MODEL, BenchReport, run_offline_bench
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
@@ -139,6 +139,10 @@ def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> No
         "offline", help="w1-throughput: kvstorm vs transformers static and continuous batching, one run"
     )
     parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="the transformers peers need the default model")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     parser.add_argument("--kv-cache-memory", type=parse_bytes, default="4GiB")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -151,7 +155,17 @@ def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> No
 
 
 def run_bench_offline(args: argparse.Namespace) -> BenchReport:
+    static_batch_sizes = [int(size) for size in args.static_batch_sizes.split(",") if size]
+    if args.model != PEER_MODEL and (static_batch_sizes or not args.no_continuous):
+        raise ValueError(
+            f"the transformers peers run {PEER_MODEL} only; with --model {args.model} pass "
+            "--static-batch-sizes '' --no-continuous"
+        )
     options = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
         "kv_cache_memory": args.kv_cache_memory,
         "swap_space": 0,
         "max_num_seqs": args.max_num_seqs,
@@ -160,7 +174,7 @@ def run_bench_offline(args: argparse.Namespace) -> BenchReport:
     report = run_offline_bench(
         num_requests=args.num_requests,
         kvstorm_options=options,
-        static_batch_sizes=[int(size) for size in args.static_batch_sizes.split(",") if size],
+        static_batch_sizes=static_batch_sizes,
         include_continuous=not args.no_continuous,
         timeout_s=args.timeout,
     )

@@ -44,7 +44,7 @@ class ModelRunner:
         if output.blocks_to_swap_out or output.blocks_to_swap_in:
             self._synchronize()
         swap_s = time.perf_counter() - start
-        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy)
+        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
             return ExecuteResult({}, swap_s=swap_s)
@@ -61,10 +61,10 @@ class ModelRunner:
         return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens), swap_s)
 
     def swap_out(self, block_pairs: Sequence[tuple[int, int]]) -> None:
-        move_blocks(self.device_cache, self.host_cache, block_pairs)
+        move_blocks(self.device_cache, self.host_cache, block_pairs, self.model.backend)
 
     def swap_in(self, block_pairs: Sequence[tuple[int, int]]) -> None:
-        move_blocks(self.host_cache, self.device_cache, block_pairs)
+        move_blocks(self.host_cache, self.device_cache, block_pairs, self.model.backend)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget the random streams of requests that are done."""

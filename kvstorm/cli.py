@@ -12,6 +12,12 @@ import time
 
 from engine.cli import add_bench_offline_parser, add_generate_parser, add_serve_parser, run_bench_offline
 from kvstorm.benchdoc import update_section
+from loadgen.cli import (
+    add_bench_client_capacity_parser,
+    add_bench_serve_parser,
+    run_bench_client_capacity,
+    run_bench_serve,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_subparsers = bench.add_subparsers(dest="bench", required=True)
     add_bench_offline_parser(bench_subparsers)
     bench_subparsers.choices["offline"].set_defaults(handler=_bench_handler(run_bench_offline, "offline"))
+    add_bench_serve_parser(bench_subparsers)
+    bench_subparsers.choices["serve"].set_defaults(handler=_bench_handler(run_bench_serve, "serve"))
+    add_bench_client_capacity_parser(bench_subparsers)
+    bench_subparsers.choices["client-capacity"].set_defaults(
+        handler=_bench_handler(run_bench_client_capacity, "client-capacity")
+    )
     return parser
 
 
@@ -37,6 +49,9 @@ def _bench_handler(run, section: str):
             f"## `kvstorm bench {section}`\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
         )
         print(markdown)
+        if report.failures:
+            print(f"kvstorm bench {section}: failed: {', '.join(report.failures)}", file=sys.stderr)
+            return 1
         if not args.no_docs:
             update_section(f"bench-{section}", markdown)
         return 0

@@ -8,7 +8,7 @@ at once as concurrent streams from this process (aiohttp), and its throughput is
 output tokens over the time from the first send to the last [DONE]. The ratio
 says what the HTTP side costs the engine (the engine loop runs in a thread of
 the server process). A small client until `kvstorm bench serve` exists. Writes
-the "bench-serve" section of docs/benchmarks.md.
+the "serving-overhead" section of docs/benchmarks.md.
 
     .venv/bin/python scripts/bench_serve.py [--num-requests 64]
 """
@@ -116,7 +116,7 @@ def main() -> None:
     )
     print(markdown)
     if not args.no_docs:
-        update_section("bench-serve", markdown)
+        update_section("serving-overhead", markdown)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ Loading each costs seconds, so each is loaded once per test session.
 
 from __future__ import annotations
 
+import os
+
+# Triton decides at kernel definition whether to interpret, so this must precede every import of a kernel: the
+# tests run the Triton kernels on the CPU (a GPU machine runs them natively through scripts/gpu_check.sh).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

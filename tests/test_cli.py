@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,30 @@ def test_bad_arguments_exit_2_with_a_message():
     result = run_kvstorm("generate", "--prompt", "x", "--temperature", "-1")
     assert result.returncode == 2
     assert "temperature must be >= 0" in result.stderr
+
+
+def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
+    result_file = tmp_path / "offline.json"
+    result = run_kvstorm(
+        "bench", "--no-docs", "offline", "--model", "random:tiny", "--attention-backend", "torch",
+        "--num-requests", "3", "--kv-cache-memory", "512KiB", "--static-batch-sizes", "", "--no-continuous",
+        "--json", str(result_file),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result_file.read_text())
+    (kvstorm,) = data["results"]
+    assert kvstorm["output_tokens"] == data["output_tokens"]  # ignore_eos: every request ran to its length
+    assert kvstorm["details"]["attention_backend"] == "TorchAttentionBackend"
+    assert (
+        kvstorm["details"]["num_preemptions"] > 0
+    )  # 1024 slots of KV cannot hold these 3 requests (1613 tokens at the end)
+    assert "model random:tiny" in result.stdout
+
+
+def test_bench_offline_refuses_transformers_peers_for_another_model():
+    result = run_kvstorm("bench", "--no-docs", "offline", "--model", "random:tiny", "--num-requests", "1")
+    assert result.returncode == 2
+    assert "the transformers peers run smollm2-135m only" in result.stderr
 
 
 def test_serve_listens_on_loopback_answers_and_stops_cleanly_on_sigterm():

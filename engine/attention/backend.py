@@ -14,6 +14,7 @@ order (padded with zeros past its last block).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,6 +68,36 @@ class AttentionMetadata:
             ).view(len(decodes), max_decode_blocks),
         )
 
+    @functools.cached_property
+    def prefill_batch(self) -> PrefillBatch:
+        """The prefill chunks as their own packed batch, for backends that attend them in one launch.
+
+        Built on first use (by the first layer) and shared by the others.
+        """
+        device = self.slot_mapping.device
+        starts, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        query_lens = [starts[i + 1] - starts[i] for i in self.prefill_indices]
+        token_rows = [row for i in self.prefill_indices for row in range(starts[i], starts[i + 1])]
+        query_start_loc = [0]
+        for query_len in query_lens:
+            query_start_loc.append(query_start_loc[-1] + query_len)
+        return PrefillBatch(
+            token_rows=int64_tensor(token_rows, device),
+            query_start_loc=int64_tensor(query_start_loc, device),
+            seq_lens=int64_tensor([seq_lens[i] for i in self.prefill_indices], device),
+            block_tables=self.block_tables[int64_tensor(self.prefill_indices, device)],
+            max_query_len=max(query_lens, default=0),
+        )
+
+
+@dataclass
+class PrefillBatch:
+    token_rows: torch.Tensor  # [P] rows of the step's T that belong to prefill chunks, in order
+    query_start_loc: torch.Tensor  # [S + 1] into those rows
+    seq_lens: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [S, max_blocks]
+    max_query_len: int
+
 
 def int64_tensor(values: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
@@ -80,12 +111,17 @@ KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_siz
 
 
 class AttentionBackend(Protocol):
-    """Writes the step's new K/V into the paged cache, then attends.
+    """Writes the step's new K/V into the paged cache, then attends; also moves blocks between caches.
 
-    ``q``: [T, num_heads, head_dim]; ``k``, ``v``: [T, num_kv_heads, head_dim].
+    ``forward``: ``q`` [T, num_heads, head_dim]; ``k``, ``v``: [T, num_kv_heads, head_dim].
     Returns [T, num_heads, head_dim] in ``q``'s dtype. Each query attends
     causally to its own sequence's context only.
+
+    ``copy_blocks(src, dst, block_mapping)``: whole caches ``[layers, 2, blocks, ...]``, rows ``(a, b)`` of the
+    int64 CPU tensor ``block_mapping`` copy block ``a`` of ``src`` to block ``b`` of ``dst``.
     """
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
 
     def forward(
         self,

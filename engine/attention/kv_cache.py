@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention.backend import KVCacheLayer
+from engine.attention.backend import AttentionBackend, KVCacheLayer
 from engine.model.config import ModelConfig
 
 
@@ -42,14 +42,9 @@ class PagedKVCache:
         self.layers: list[KVCacheLayer] = [(layer[0], layer[1]) for layer in self.data]
 
 
-def move_blocks(src: PagedKVCache, dst: PagedKVCache, block_pairs: Sequence[tuple[int, int]]) -> None:
-    """Copy blocks ``src[a] -> dst[b]`` for every pair, all layers, K and V, in one gather and one scatter."""
-    if not block_pairs:
-        return
-    src_ids = torch.tensor([a for a, _ in block_pairs], dtype=torch.int64, device=src.data.device)
-    dst_ids = torch.tensor([b for _, b in block_pairs], dtype=torch.int64, device=dst.data.device)
-    # Asynchronous only towards a GPU, where later kernels are ordered after the copy on the stream; a copy
-    # to the host must be complete before the CPU scatters it.
-    to_gpu = dst.data.device.type == "cuda"
-    blocks = src.data.index_select(2, src_ids).to(dst.data.device, non_blocking=to_gpu)
-    dst.data.index_copy_(2, dst_ids, blocks)
+def move_blocks(
+    src: PagedKVCache, dst: PagedKVCache, block_pairs: Sequence[tuple[int, int]], backend: AttentionBackend
+) -> None:
+    """Copy blocks ``src[a] -> dst[b]`` for every pair, all layers, K and V, with one call of the backend."""
+    if block_pairs:
+        backend.copy_blocks(src.data, dst.data, torch.tensor(block_pairs, dtype=torch.int64))

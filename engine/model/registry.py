@@ -118,14 +118,16 @@ def resolve_model(spec: str) -> ModelSource:
 @torch.no_grad()
 def initialize_random_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
     """Norms at one, biases at zero, everything else N(0, std), reproducible from ``seed``."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the model's device: an 8B-parameter model fills in a second on a GPU instead of a minute on the CPU.
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32, device=device) * std
             param.copy_(values.to(param.dtype))
 
 

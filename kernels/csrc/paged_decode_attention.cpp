@@ -8,6 +8,76 @@
 #include <cmath>
 #include <vector>
 
+// HEAD_DIM > 0 fixes the row length at compile time (full unrolling and vectorization of the dot products);
+// 0 reads it at run time. Positions are walked block by block and heads kv-head by kv-head, so no integer
+// division sits in the inner loops.
+template <int64_t HEAD_DIM>
+void decode_sequences(
+    int64_t begin, int64_t end, float* out_ptr, const float* q_ptr, const float* k_ptr, const float* v_ptr,
+    const int64_t* tables, const int64_t* lens, int64_t num_heads, int64_t num_kv_heads, int64_t runtime_head_dim,
+    int64_t block_size, int64_t max_blocks, int64_t block_stride, int64_t row_stride, int64_t head_stride,
+    float scale) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : runtime_head_dim;
+  const int64_t group = num_heads / num_kv_heads;
+  std::vector<float> scores;  // [num_heads, len]
+  std::vector<float> accum(num_heads * head_dim);
+  std::vector<float> inv_sums(num_heads);
+  for (int64_t seq = begin; seq < end; ++seq) {
+    const int64_t len = lens[seq];
+    const float* query = q_ptr + seq * num_heads * head_dim;
+    const int64_t* table = tables + seq * max_blocks;
+    scores.resize(num_heads * len);
+    for (int64_t first = 0, block = 0; first < len; first += block_size, ++block) {
+      const int64_t rows = std::min(block_size, len - first);
+      const float* block_ptr = k_ptr + table[block] * block_stride;
+      for (int64_t offset = 0; offset < rows; ++offset) {
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const float* key = block_ptr + offset * row_stride + kv_head * head_stride;
+          for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+            const float* qh = query + head * head_dim;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
+            scores[head * len + first + offset] = dot * scale;
+          }
+        }
+      }
+    }
+    for (int64_t head = 0; head < num_heads; ++head) {
+      float* row = scores.data() + head * len;
+      const float max_score = *std::max_element(row, row + len);
+      float sum = 0.0f;
+      // Vectorized through the C library's SIMD expf (needs -fno-math-errno): scalar exp dominated the kernel.
+#pragma omp simd reduction(+ : sum)
+      for (int64_t pos = 0; pos < len; ++pos) {
+        row[pos] = expf(row[pos] - max_score);
+        sum += row[pos];
+      }
+      inv_sums[head] = 1.0f / sum;
+    }
+    std::fill(accum.begin(), accum.end(), 0.0f);
+    for (int64_t first = 0, block = 0; first < len; first += block_size, ++block) {
+      const int64_t rows = std::min(block_size, len - first);
+      const float* block_ptr = v_ptr + table[block] * block_stride;
+      for (int64_t offset = 0; offset < rows; ++offset) {
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const float* value = block_ptr + offset * row_stride + kv_head * head_stride;
+          for (int64_t head = kv_head * group; head < (kv_head + 1) * group; ++head) {
+            const float weight = scores[head * len + first + offset];
+            float* acc = accum.data() + head * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * value[d];
+          }
+        }
+      }
+    }
+    float* dst = out_ptr + seq * num_heads * head_dim;
+    for (int64_t head = 0; head < num_heads; ++head) {
+      for (int64_t d = 0; d < head_dim; ++d) dst[head * head_dim + d] = accum[head * head_dim + d] * inv_sums[head];
+    }
+  }
+}
+
 void paged_decode_attention(
     torch::Tensor out,           // [B, H, D] float32, written
     torch::Tensor q,             // [B, H, D] float32
@@ -22,67 +92,21 @@ void paged_decode_attention(
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "metadata must be contiguous");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t block_stride = k_cache.stride(0), row_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
   const float* q_ptr = q.data_ptr<float>();
   const float* k_ptr = k_cache.data_ptr<float>();
   const float* v_ptr = v_cache.data_ptr<float>();
   float* out_ptr = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const float fscale = static_cast<float>(scale);
+  auto decode = head_dim == 64    ? decode_sequences<64>
+                : head_dim == 128 ? decode_sequences<128>
+                                  : decode_sequences<0>;
 
   // One task per sequence: its blocks are read front to back, all KV heads of a row together,
   // so every cache line of the context is touched once per pass (K, then V).
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;  // [num_heads, len]
-    std::vector<float> accum(num_heads * head_dim);
-    std::vector<float> inv_sums(num_heads);
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t len = lens[seq];
-      const float* query = q_ptr + seq * num_heads * head_dim;
-      const int64_t* table = tables + seq * max_blocks;
-      scores.resize(num_heads * len);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* row = k_ptr + table[pos / block_size] * block_stride + (pos % block_size) * row_stride;
-        for (int64_t head = 0; head < num_heads; ++head) {
-          const float* key = row + (head / group) * head_stride;
-          const float* qh = query + head * head_dim;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * key[d];
-          scores[head * len + pos] = dot * fscale;
-        }
-      }
-      for (int64_t head = 0; head < num_heads; ++head) {
-        float* row = scores.data() + head * len;
-        const float max_score = *std::max_element(row, row + len);
-        float sum = 0.0f;
-        // Vectorized through the C library's SIMD expf (needs -fno-math-errno): scalar exp dominated the kernel.
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          row[pos] = expf(row[pos] - max_score);
-          sum += row[pos];
-        }
-        inv_sums[head] = 1.0f / sum;
-      }
-      std::fill(accum.begin(), accum.end(), 0.0f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* row = v_ptr + table[pos / block_size] * block_stride + (pos % block_size) * row_stride;
-        for (int64_t head = 0; head < num_heads; ++head) {
-          const float* value = row + (head / group) * head_stride;
-          const float weight = scores[head * len + pos];
-          float* acc = accum.data() + head * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) acc[d] += weight * value[d];
-        }
-      }
-      float* dst = out_ptr + seq * num_heads * head_dim;
-      for (int64_t head = 0; head < num_heads; ++head) {
-        for (int64_t d = 0; d < head_dim; ++d) dst[head * head_dim + d] = accum[head * head_dim + d] * inv_sums[head];
-      }
-    }
+    decode(begin, end, out_ptr, q_ptr, k_ptr, v_ptr, tables, lens, num_heads, num_kv_heads, head_dim, block_size,
+           block_tables.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), static_cast<float>(scale));
   });
 }
 

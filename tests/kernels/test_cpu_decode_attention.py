@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_decode_attention_reference
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.reference import paged_decode_attention_reference
 
 
 def make_case(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, block_size: int, max_len: int):

@@ -7,7 +7,8 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from kernels.cpu_decode_attention import paged_decode_attention_cpu, paged_decode_attention_reference
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.reference import paged_decode_attention_reference
 
 DECODE_KERNELS = {"reference": paged_decode_attention_reference, "cpu": paged_decode_attention_cpu}
 

@@ -1,0 +1,231 @@
+"""Aggregates of a run: throughput, latency percentiles, goodput under SLOs, outcome counts, and time series.
+
+Latencies are over ``ok`` requests only (a broken stream's TTFT is not a success's TTFT); ITL pools every gap of
+every ok request. Percentiles interpolate linearly (numpy's default, as vLLM's benchmark does).
+
+SLOs (``--slo``): ``METRIC_STAT=DURATION`` joined by commas, e.g. ``ttft_p99=2s,tpot_p99=200ms``. METRIC is ttft,
+tpot, itl or e2e; STAT is mean, p50, p90, p95, p99 or max. Each SLO holds when that statistic of the run is within
+its threshold. Goodput counts the ok requests that meet every threshold themselves (TTFT, TPOT and E2E of the
+request; for ITL, the request's longest gap), per second of the run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel
+
+from loadgen.records import Outcome, RequestRecord
+from loadgen.spec import parse_duration
+
+METRICS = ("ttft", "tpot", "itl", "e2e")
+STATS = {"mean": None, "p50": 50, "p90": 90, "p95": 95, "p99": 99, "max": 100}
+
+
+class LatencyStats(BaseModel):
+    """Seconds."""
+
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> LatencyStats | None:
+        if not values:
+            return None
+        array = np.asarray(values, dtype=np.float64)
+        p50, p90, p95, p99, top = np.percentile(array, [50, 90, 95, 99, 100])
+        return cls(count=len(array), mean=float(array.mean()), p50=p50, p90=p90, p95=p95, p99=p99, max=top)
+
+    def stat(self, name: str) -> float:
+        return getattr(self, name)
+
+
+class Slo(BaseModel):
+    metric: str
+    stat: str
+    threshold_s: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.metric}_{self.stat}"
+
+
+class SloResult(BaseModel):
+    slo: Slo
+    observed_s: float | None
+    met: bool
+
+
+class Summary(BaseModel):
+    duration_s: float
+    num_requests: int
+    outcomes: dict[Outcome, int]
+    request_throughput: float
+    output_token_throughput: float
+    ttft: LatencyStats | None
+    tpot: LatencyStats | None
+    itl: LatencyStats | None
+    e2e: LatencyStats | None
+    send_lag: LatencyStats | None
+    peak_in_flight: int
+    num_short_outputs: int
+    slos: list[SloResult]
+    goodput: float | None
+
+
+def parse_slos(text: str | None) -> list[Slo]:
+    if not text:
+        return []
+    slos = []
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        metric, _, stat = name.strip().partition("_")
+        if not sep or metric not in METRICS or stat not in STATS:
+            raise ValueError(
+                f"SLO {item!r}: expected METRIC_STAT=DURATION with METRIC in {list(METRICS)} and STAT in {list(STATS)}"
+            )
+        slos.append(Slo(metric=metric, stat=stat, threshold_s=parse_duration(value)))
+    return slos
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slos: Sequence[Slo] = ()) -> Summary:
+    ok = [record for record in records if record.outcome is Outcome.OK]
+    stats = {
+        "ttft": LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot": LatencyStats.of([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl": LatencyStats.of([gap for r in ok for gap in r.itl_s]),
+        "e2e": LatencyStats.of([r.e2e_s for r in ok if r.e2e_s is not None]),
+    }
+    counts = Counter(record.outcome for record in records)
+    slo_results = []
+    for slo in slos:
+        metric_stats = stats[slo.metric]
+        observed = metric_stats.stat(slo.stat) if metric_stats else None
+        slo_results.append(
+            SloResult(slo=slo, observed_s=observed, met=observed is not None and observed <= slo.threshold_s)
+        )
+    good = [record for record in ok if all(_meets(record, slo) for slo in slos)]
+    return Summary(
+        duration_s=duration_s,
+        num_requests=len(records),
+        outcomes={outcome: counts.get(outcome, 0) for outcome in Outcome},
+        request_throughput=len(ok) / duration_s,
+        output_token_throughput=sum(r.output_tokens for r in ok) / duration_s,
+        send_lag=LatencyStats.of([r.sent_s - r.scheduled_s for r in records]),
+        peak_in_flight=peak_in_flight(records),
+        num_short_outputs=sum(r.output_tokens < r.requested_output_tokens for r in ok),
+        slos=slo_results,
+        goodput=len(good) / duration_s if slos else None,
+        **stats,
+    )
+
+
+def _meets(record: RequestRecord, slo: Slo) -> bool:
+    value = {
+        "ttft": record.ttft_s,
+        "tpot": record.tpot_s,
+        "itl": max(record.itl_s, default=None),
+        "e2e": record.e2e_s,
+    }[slo.metric]
+    return value is None or value <= slo.threshold_s
+
+
+def peak_in_flight(records: list[RequestRecord]) -> int:
+    """Most requests between their send and their end at any instant."""
+    events = sorted([(r.sent_s, 1) for r in records] + [(r.end_s, -1) for r in records])
+    level = peak = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+class TimeSeries(BaseModel):
+    """Per bucket of ``bucket_s`` seconds by send time (``start_s`` are the buckets' left edges)."""
+
+    bucket_s: float
+    start_s: list[float]
+    scheduled_rate: list[float]
+    sent_rate: list[float]
+    outcomes: dict[Outcome, list[int]]
+    ttft: dict[str, list[float | None]]
+    tpot: dict[str, list[float | None]]
+    itl: dict[str, list[float | None]]
+    e2e: dict[str, list[float | None]]
+
+
+def time_series(records: list[RequestRecord], duration_s: float, bucket_s: float = 1.0) -> TimeSeries:
+    num_buckets = max(1, int(np.ceil(duration_s / bucket_s)))
+
+    def bucket(offset_s: float) -> int:
+        return min(num_buckets - 1, max(0, int(offset_s // bucket_s)))
+
+    scheduled = np.zeros(num_buckets)
+    sent = np.zeros(num_buckets)
+    outcomes = {outcome: [0] * num_buckets for outcome in Outcome}
+    values: dict[str, list[list[float]]] = {metric: [[] for _ in range(num_buckets)] for metric in METRICS}
+    for record in records:
+        scheduled[bucket(record.scheduled_s)] += 1
+        index = bucket(record.sent_s)
+        sent[index] += 1
+        outcomes[record.outcome][index] += 1
+        if record.outcome is Outcome.OK:
+            for metric, value in (("ttft", record.ttft_s), ("tpot", record.tpot_s), ("e2e", record.e2e_s)):
+                if value is not None:
+                    values[metric][index].append(value)
+            values["itl"][index].extend(record.itl_s)
+    percentiles = {
+        metric: {
+            name: [float(np.percentile(cell, STATS[name])) if cell else None for cell in cells]
+            for name in ("p50", "p90", "p99")
+        }
+        for metric, cells in values.items()
+    }
+    return TimeSeries(
+        bucket_s=bucket_s,
+        start_s=[i * bucket_s for i in range(num_buckets)],
+        scheduled_rate=(scheduled / bucket_s).tolist(),
+        sent_rate=(sent / bucket_s).tolist(),
+        outcomes=outcomes,
+        **percentiles,
+    )
+
+
+def advisories(
+    summary: Summary, records: list[RequestRecord], *, exact_output: bool, max_concurrency: int | None
+) -> list[str]:
+    """Plain-language warnings about how far the numbers can be trusted, for the report and the terminal."""
+    notes = []
+    lag = summary.send_lag
+    if max_concurrency is not None and lag is not None:
+        notes.append(
+            f"Concurrency was capped at {max_concurrency} client-side: requests over the cap waited for a slot "
+            f"(send lag p99 {lag.p99 * 1e3:.1f} ms, max {lag.max * 1e3:.1f} ms). Latencies count from the real send."
+        )
+    elif lag is not None and lag.max > 0.010:
+        notes.append(
+            f"Some requests left late (send lag max {lag.max * 1e3:.1f} ms): the client may have been overloaded "
+            "(its capacity is in docs/benchmarks.md)."
+        )
+    if exact_output and summary.num_short_outputs:
+        notes.append(
+            f"{summary.num_short_outputs} ok requests returned fewer tokens than max_tokens although ignore_eos and "
+            "min_tokens were sent: the server does not honour them, so output lengths are not exact."
+        )
+    bad_requests = [r for r in records if r.outcome is Outcome.REJECTED and r.http_status == 400]
+    if bad_requests:
+        notes.append(
+            f"{len(bad_requests)} requests were rejected with HTTP 400, e.g. {bad_requests[0].error!r}. If it names "
+            "ignore_eos, min_tokens or stream_options, the server does not accept them: rerun with --no-exact-output."
+        )
+    ok = [r for r in records if r.outcome is Outcome.OK]
+    if ok and all(r.usage_completion_tokens is None for r in ok):
+        notes.append("The server sent no usage: output tokens are the token chunks counted; prompt tokens unknown.")
+    return notes

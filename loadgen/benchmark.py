@@ -1,0 +1,104 @@
+"""One serving benchmark from its configuration to its :class:`RunResult`: plan, run open-loop, summarize, fetch
+the server's Prometheus series. The library entry point behind ``kvstorm bench serve`` (the chaos runner calls it
+too, with its fault windows)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+
+from loadgen.analysis import advisories, parse_slos, summarize
+from loadgen.arrivals import make_arrivals
+from loadgen.client import StreamingClient
+from loadgen.counters import RunCounters
+from loadgen.progress import LiveProgress
+from loadgen.prometheus import fetch_series
+from loadgen.records import Outcome
+from loadgen.results import FaultWindow, RunConfig, RunResult
+from loadgen.runner import run_open_loop
+from loadgen.workloads import build_plan
+
+
+async def run_benchmark(
+    config: RunConfig,
+    *,
+    fault_windows: Sequence[FaultWindow] = (),
+    prometheus_url: str | None = None,
+    prometheus_step_s: float = 1.0,
+    extra_body: dict | None = None,
+    api_key: str | None = None,
+    show_progress: bool = True,
+) -> RunResult:
+    slos = parse_slos(config.slo)  # fail on a bad SLO before sending anything
+    arrivals = make_arrivals(
+        config.arrival, num_requests=config.num_requests, duration_s=config.duration_s, seed=config.seed
+    )
+    plan = build_plan(
+        arrivals, config.workload, input_len=config.input_len, output_len=config.output_len, seed=config.seed
+    )
+    if not plan:
+        raise ValueError(f"{config.arrival!r} schedules no request within the run's bounds")
+    counters = RunCounters()
+    client = StreamingClient(
+        config.base_url,
+        config.model,
+        request_timeout_s=config.request_timeout_s,
+        stall_timeout_s=config.stall_timeout_s,
+        exact_output=config.exact_output,
+        extra_body=extra_body,
+        api_key=api_key,
+        counters=counters,
+    )
+    progress = LiveProgress(counters) if show_progress else contextlib.nullcontext()
+    async with client, progress:
+        records, timing = await run_open_loop(plan, client, max_concurrency=config.max_concurrency)
+    summary = summarize(records, timing.duration_s, slos)
+    notes = advisories(summary, records, exact_output=config.exact_output, max_concurrency=config.max_concurrency)
+    series = []
+    if prometheus_url:
+        end_unix = max(time.time(), timing.start_unix + timing.duration_s)
+        series, prometheus_notes = await fetch_series(prometheus_url, timing.start_unix, end_unix, prometheus_step_s)
+        notes += prometheus_notes
+    return RunResult(
+        run_id=timing.run_id,
+        start_unix=timing.start_unix,
+        start_ts=timing.start_ts,
+        config=config,
+        summary=summary,
+        advisories=notes,
+        records=records,
+        fault_windows=list(fault_windows),
+        prometheus=series,
+    )
+
+
+def summary_markdown(result: RunResult) -> str:
+    """The run in a few lines of markdown: what ran, outcomes, throughput, latency table, SLOs, advisories."""
+    s, c = result.summary, result.config
+    bounds = f"{c.num_requests} requests" if c.num_requests else f"{c.duration_s:g} s"
+    cap = f", max concurrency {c.max_concurrency}" if c.max_concurrency else ""
+    lines = [
+        f"Server {c.base_url}, model `{c.model}`; workload `{c.workload}` (input `{c.input_len}`, output "
+        f"`{c.output_len}`{', exact' if c.exact_output else ''}); arrival `{c.arrival}`, {bounds}{cap}.",
+        "",
+        f"{s.num_requests} requests in {s.duration_s:.1f} s (peak {s.peak_in_flight} in flight): "
+        + ", ".join(f"{outcome.value} {s.outcomes[outcome]}" for outcome in Outcome)
+        + f". Throughput **{s.request_throughput:.2f} req/s**, **{s.output_token_throughput:.1f} output tok/s**"
+        + (f", goodput **{s.goodput:.2f} req/s**." if s.goodput is not None else "."),
+        "",
+        "| ms | mean | p50 | p90 | p99 | max |",
+        "|---|---|---|---|---|---|",
+    ]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        stats = getattr(s, metric)
+        cells = " | ".join(
+            f"{getattr(stats, k) * 1e3:.1f}" if stats else "-" for k in ("mean", "p50", "p90", "p99", "max")
+        )
+        lines.append(f"| {metric.upper()} | {cells} |")
+    for slo_result in s.slos:
+        observed = "-" if slo_result.observed_s is None else f"{slo_result.observed_s * 1e3:.1f} ms"
+        verdict = "met" if slo_result.met else "**MISSED**"
+        lines.append(f"\nSLO {slo_result.slo.name} <= {slo_result.slo.threshold_s * 1e3:g} ms: {observed}, {verdict}")
+    lines += [f"\n> {note}" for note in result.advisories]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""How much one core of the client sustains: streamed tokens/s and concurrent streams with timing error under 1 ms.
+
+For each level (concurrent streams), the scripted server, alone on CPU 1, streams ``num_tokens`` tokens per request
+``gap_s`` apart after ``ttft_s``; the client, alone on CPU 0 (this process, pinned for the measurement), sends
+Poisson arrivals at the rate that keeps that many streams open. Timing error is what the client recorded for each
+token minus the server's stamp after writing it (same monotonic clock). Both run at timing priority where allowed
+(:func:`loadgen.scripted_server.prioritize_timing`). A level counts as sustained when the error's p99 is under
+1 ms and no request failed. Each row also shows the server's lateness against its own script: when that is large,
+the server (or a neighbour on its CPU), not the client, set the limit. Linux only (CPU pinning, /proc).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loadgen.analysis import peak_in_flight
+from loadgen.arrivals import make_arrivals
+from loadgen.client import StreamingClient
+from loadgen.records import Outcome
+from loadgen.runner import START_DELAY_S, run_open_loop
+from loadgen.scripted_server import ServerProcess, prioritize_timing, scripted_server_process
+from loadgen.workloads import build_plan
+
+CLIENT_CPU, SERVER_CPU = 0, 1
+ERROR_LIMIT_MS = 1.0
+
+
+@dataclass(frozen=True)
+class CapacityRow:
+    target_streams: int
+    peak_streams: int
+    tokens_per_s: float
+    client_cpu: float
+    server_cpu: float
+    error_p50_ms: float
+    error_p99_ms: float
+    error_max_ms: float
+    server_late_p99_ms: float
+    num_failed: int
+
+    @property
+    def sustained(self) -> bool:
+        return self.error_p99_ms < ERROR_LIMIT_MS and self.num_failed == 0
+
+
+def measure_level(
+    streams: int, *, ttft_s: float, gap_s: float, num_tokens: int, steady_s: float, env: dict | None = None
+) -> CapacityRow:
+    stream_s = ttft_s + (num_tokens - 1) * gap_s
+    rate = streams / stream_s
+    server_args = ("--ttft-ms", f"{ttft_s * 1e3:g}", "--gap-ms", f"{gap_s * 1e3:g}")
+    with scripted_server_process(*server_args, cpu=SERVER_CPU, env=env) as server:
+        records, timing, client_cpu_s, server_cpu_s = asyncio.run(
+            _run(server, rate, int(rate * (steady_s + stream_s)), num_tokens, (stream_s, stream_s + steady_s))
+        )
+        log = server.script_log()
+    ok = [r for r in records if r.outcome is Outcome.OK]
+    errors_ms, late_ms, token_offsets = [], [], []
+    for record in ok:
+        entry = log[record.request_id]
+        sent = np.asarray(entry["token_send_ts"])
+        received = timing.start_ts + record.sent_s + record.ttft_s + np.concatenate([[0.0], np.cumsum(record.itl_s)])
+        errors_ms.append((received - sent) * 1e3)
+        token_offsets.append(received - timing.start_ts)
+        scripted = entry["received_ts"] + entry["ttft_s"] + np.arange(len(sent)) * entry["gap_s"]
+        late_ms.append((sent - scripted) * 1e3)
+    errors, late, offsets = np.abs(np.concatenate(errors_ms)), np.concatenate(late_ms), np.concatenate(token_offsets)
+    steady_tokens = np.count_nonzero((offsets >= stream_s) & (offsets < stream_s + steady_s))
+    return CapacityRow(
+        target_streams=streams,
+        peak_streams=peak_in_flight(records),
+        tokens_per_s=steady_tokens / steady_s,
+        client_cpu=client_cpu_s / steady_s,
+        server_cpu=server_cpu_s / steady_s,
+        error_p50_ms=float(np.percentile(errors, 50)),
+        error_p99_ms=float(np.percentile(errors, 99)),
+        error_max_ms=float(errors.max()),
+        server_late_p99_ms=float(np.percentile(late, 99)),
+        num_failed=len(records) - len(ok),
+    )
+
+
+async def _run(server: ServerProcess, rate: float, num_requests: int, num_tokens: int, window: tuple[float, float]):
+    """Run one level; CPU seconds of client and server are taken over ``window`` (offsets from the start), the
+    steady part between the ramp-up (the first streams still opening) and the drain."""
+    # Poisson, not constant: evenly spaced starts would put the streams' ticks in a few phase clusters of the gap
+    # (every stream writing at the same instants), a worst case that real traffic does not have.
+    arrivals = make_arrivals(f"poisson:rate={rate:.6f}", num_requests=num_requests, duration_s=None, seed=1)
+    plan = build_plan(arrivals, "random", input_len="fixed:16", output_len=f"fixed:{num_tokens}")
+    async with StreamingClient(server.base_url, "m", request_timeout_s=120, stall_timeout_s=30) as client:
+        cpu = asyncio.create_task(_cpu_seconds_in(window, time.perf_counter() + START_DELAY_S, server.process.pid))
+        records, timing = await run_open_loop(plan, client)
+        client_cpu_s, server_cpu_s = await cpu
+    return records, timing, client_cpu_s, server_cpu_s
+
+
+async def _cpu_seconds_in(window: tuple[float, float], start_ts: float, server_pid: int) -> tuple[float, float]:
+    readings = []
+    for offset_s in window:
+        await asyncio.sleep(max(0.0, start_ts + offset_s - time.perf_counter()))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        readings.append((usage.ru_utime + usage.ru_stime, _process_cpu_s(server_pid)))
+    (client_before, server_before), (client_after, server_after) = readings
+    return client_after - client_before, server_after - server_before
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@contextlib.contextmanager
+def pinned_for_timing(cpu: int):
+    """This process on one CPU at timing priority, restored afterwards."""
+    affinity, policy, param = os.sched_getaffinity(0), os.sched_getscheduler(0), os.sched_getparam(0)
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    prioritize_timing(cpu)
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, policy, param)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
+        os.sched_setaffinity(0, affinity)
+
+
+def measure_capacity(levels: list[int], **level_options) -> list[CapacityRow]:
+    if len(os.sched_getaffinity(0)) < 2:
+        raise ValueError("the capacity benchmark needs two CPUs: one for the client, one for the scripted server")
+    rows = []
+    with pinned_for_timing(CLIENT_CPU):
+        for streams in levels:
+            rows.append(measure_level(streams, **level_options))
+            time.sleep(0.5)  # let the previous server's sockets close
+    return rows

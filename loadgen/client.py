@@ -1,0 +1,153 @@
+"""Streams one request to an OpenAI-compatible server with aiohttp and measures it (see :mod:`loadgen.tracker`).
+
+Timing: every read is stamped with ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux) as soon as aiohttp hands it
+over; events that arrive in one read share its stamp. The connection pool is unbounded (``limit=0``): aiohttp's
+default of 100 connections would silently queue requests and hide the server's latency (coordinated omission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from loadgen.counters import RunCounters
+from loadgen.records import Outcome, RequestRecord
+from loadgen.tracker import StreamTracker
+from loadgen.workloads import PlannedRequest, request_body
+
+
+class StallTimeout(Exception):
+    """Raised into a stream's reader when no token arrived for longer than the stall timeout."""
+
+
+class StreamingClient:
+    """One aiohttp session for a whole run; :meth:`send` streams one planned request and returns its record.
+
+    ``exact_output``: see :func:`loadgen.workloads.request_body`. ``request_timeout_s`` bounds a whole request
+    (client_timeout); ``stall_timeout_s`` bounds each gap between tokens once the first token arrived
+    (broken_stream). The time to the first token is bounded only by the request timeout, because queueing before
+    it is the server's legitimate choice.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        request_timeout_s: float,
+        stall_timeout_s: float,
+        exact_output: bool = True,
+        extra_body: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        counters: RunCounters | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
+        self.exact_output = exact_output
+        self.extra_body = extra_body or {}
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.counters = counters or RunCounters()
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> StreamingClient:
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def send(self, planned: PlannedRequest, *, request_id: str, run_start_ts: float) -> RequestRecord:
+        if self._session is None:
+            raise RuntimeError("use StreamingClient as an async context manager")
+        body = request_body(planned, self.model, exact_output=self.exact_output, extra_body=self.extra_body)
+        self.counters.num_sent += 1
+        sent_ts = time.perf_counter()
+        tracker = StreamTracker(
+            index=planned.index,
+            request_id=request_id,
+            scheduled_s=planned.offset_s,
+            sent_ts=sent_ts,
+            run_start_ts=run_start_ts,
+            requested_output_tokens=planned.max_tokens,
+            stall_timeout_s=self.stall_timeout_s,
+        )
+        record = await self._stream(planned.path, body, request_id, tracker)
+        self.counters.num_finished += 1
+        self.counters.num_failed += record.outcome is not Outcome.OK
+        return record
+
+    async def _stream(self, path: str, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
+        headers = {"X-Request-Id": request_id}
+        try:
+            async with self._session.post(
+                self.base_url + path, json=body, headers=headers, timeout=timeout
+            ) as response:
+                tracker.http_status = response.status
+                if response.status != 200:
+                    detail = (await response.text())[:300]
+                    return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}")
+                return await self._read(response, tracker)
+        except asyncio.TimeoutError:
+            message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
+            return tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
+        except aiohttp.ClientError as error:
+            started = tracker.http_status == 200
+            outcome = Outcome.BROKEN_STREAM if started else Outcome.REJECTED
+            return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
+
+    async def _read(self, response: aiohttp.ClientResponse, tracker: StreamTracker) -> RequestRecord:
+        watchdog = _StallWatchdog(response, tracker, self.stall_timeout_s)
+        try:
+            async for chunk in response.content.iter_any():
+                now_ts = time.perf_counter()
+                num_tokens = tracker.feed(chunk, now_ts)
+                if num_tokens:
+                    self.counters.num_tokens += num_tokens
+                    watchdog.arm()
+        except StallTimeout as stall:
+            response.close()
+            return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, str(stall))
+        finally:
+            watchdog.cancel()
+        return tracker.finish(time.perf_counter())
+
+
+class _StallWatchdog:
+    """Wakes once per stall period, not once per token: a token only moves ``tracker.last_token_ts`` forward, and
+    the timer re-arms itself for the new deadline when it fires early."""
+
+    def __init__(self, response: aiohttp.ClientResponse, tracker: StreamTracker, stall_timeout_s: float) -> None:
+        self._response, self._tracker, self._stall_timeout_s = response, tracker, stall_timeout_s
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
+
+    def arm(self) -> None:
+        if self._handle is None:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        deadline = self._tracker.last_token_ts + self._stall_timeout_s
+        # perf_counter and the loop clock are both CLOCK_MONOTONIC on Linux; converting keeps other platforms right.
+        self._handle = self._loop.call_at(self._loop.time() + (deadline - time.perf_counter()), self._check)
+
+    def _check(self) -> None:
+        if self._tracker.done_ts is not None:
+            return
+        gap_s = time.perf_counter() - self._tracker.last_token_ts
+        if gap_s < self._stall_timeout_s:
+            self._schedule()
+            return
+        message = f"stalled: no token for {gap_s:.3f} s (stall timeout {self._stall_timeout_s:g} s)"
+        self._response.content.set_exception(StallTimeout(message))
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()

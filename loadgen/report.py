@@ -1,0 +1,150 @@
+"""A self-contained HTML report of one run (plotly, with its JavaScript inlined: one file that opens offline).
+
+One figure shares the run's time axis (seconds since the start): arrival rate, outcomes, latency percentiles and,
+when a Prometheus URL was given, the server's KV usage, running / waiting / swapped requests and preemption rate;
+fault windows are shaded bands across all of it. A second figure holds the latency CDFs.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from loadgen.analysis import LatencyStats, time_series
+from loadgen.records import Outcome
+from loadgen.results import RunResult
+
+OUTCOME_COLORS = {
+    Outcome.OK: "#2ca02c",
+    Outcome.REJECTED: "#ff7f0e",
+    Outcome.BROKEN_STREAM: "#d62728",
+    Outcome.CLIENT_TIMEOUT: "#9467bd",
+}
+PERCENTILE_DASH = {"p50": "solid", "p90": "dash", "p99": "dot"}
+LATENCY_ROWS = (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms"), ("e2e", "E2E ms"))
+SERVER_ROWS = (("KV cache usage",), ("running", "waiting", "swapped"), ("preemptions/s",))
+
+
+def write_report(result: RunResult, path: Path, bucket_s: float = 1.0) -> None:
+    parts = [
+        _summary_html(result),
+        _timeline(result, bucket_s).to_html(full_html=False, include_plotlyjs=True),
+        _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
+    ]
+    title = f"kvstorm bench serve {result.run_id}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>{''.join(parts)}</body></html>"
+    )
+
+
+def _timeline(result: RunResult, bucket_s: float) -> go.Figure:
+    series = time_series(result.records, result.summary.duration_s, bucket_s)
+    server_rows = [names for names in SERVER_ROWS if any(s.name in names for s in result.prometheus)]
+    titles = ["arrival rate (requests/s)", "outcomes per bucket (by send time)"]
+    titles += [label for _, label in LATENCY_ROWS] + [" / ".join(names) for names in server_rows]
+    fig = make_subplots(rows=len(titles), cols=1, shared_xaxes=True, subplot_titles=titles, vertical_spacing=0.03)
+    x = [start + bucket_s / 2 for start in series.start_s]
+    fig.add_trace(go.Scatter(x=x, y=series.scheduled_rate, name="scheduled", line={"shape": "hv"}), row=1, col=1)
+    fig.add_trace(go.Scatter(x=x, y=series.sent_rate, name="sent", line={"shape": "hv"}), row=1, col=1)
+    for outcome, counts in series.outcomes.items():
+        fig.add_trace(
+            go.Bar(x=x, y=counts, name=outcome.value, marker_color=OUTCOME_COLORS[outcome], legendgroup="outcomes"),
+            row=2,
+            col=1,
+        )
+    for row, (metric, _) in enumerate(LATENCY_ROWS, start=3):
+        for name, values in getattr(series, metric).items():
+            y = [None if v is None else v * 1e3 for v in values]
+            line = {"dash": PERCENTILE_DASH[name]}
+            fig.add_trace(go.Scatter(x=x, y=y, name=f"{metric} {name}", line=line, connectgaps=False), row=row, col=1)
+    by_name = {s.name: s for s in result.prometheus}
+    for row, names in enumerate(server_rows, start=3 + len(LATENCY_ROWS)):
+        for name in names:
+            if name in by_name:
+                points = by_name[name].points
+                fig.add_trace(
+                    go.Scatter(x=[t - result.start_unix for t, _ in points], y=[v for _, v in points], name=name),
+                    row=row,
+                    col=1,
+                )
+    for window in result.fault_windows:
+        x0, x1 = window.start_unix - result.start_unix, window.end_unix - result.start_unix
+        fig.add_vrect(x0=x0, x1=x1, fillcolor="#d62728", opacity=0.15, line_width=0, row="all", col=1)
+        # The band crosses every row; its name is written once, at the top.
+        fig.add_annotation(x=x0, y=1, xref="x", yref="y domain", text=window.name, showarrow=False, xanchor="left")
+    fig.update_layout(barmode="stack", height=240 * len(titles), title="Over time (seconds since the start)")
+    fig.update_xaxes(title_text="seconds since the start", row=len(titles), col=1)
+    return fig
+
+
+def _cdfs(result: RunResult) -> go.Figure:
+    ok = [r for r in result.records if r.outcome is Outcome.OK]
+    values = {
+        "ttft": [r.ttft_s for r in ok if r.ttft_s is not None],
+        "tpot": [r.tpot_s for r in ok if r.tpot_s is not None],
+        "itl": [gap for r in ok for gap in r.itl_s],
+        "e2e": [r.e2e_s for r in ok if r.e2e_s is not None],
+    }
+    fig = make_subplots(rows=1, cols=4, subplot_titles=[label for _, label in LATENCY_ROWS])
+    for col, (metric, _) in enumerate(LATENCY_ROWS, start=1):
+        data = np.sort(np.asarray(values[metric])) * 1e3
+        if len(data) > 2000:  # a CDF needs no more points than the eye sees; keep the extremes
+            data = data[np.unique(np.linspace(0, len(data) - 1, 2000).astype(int))]
+        fraction = np.linspace(0, 1, len(data)) if len(data) > 1 else np.ones(len(data))
+        fig.add_trace(go.Scatter(x=data, y=fraction, name=f"{metric} CDF", showlegend=False), row=1, col=col)
+    fig.update_layout(height=360, title="Latency CDFs of ok requests (ms)")
+    return fig
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def _summary_html(result: RunResult) -> str:
+    summary, config = result.summary, result.config
+    outcome_cells = "".join(f"<td>{html.escape(o.value)}: <b>{n}</b></td>" for o, n in summary.outcomes.items())
+    latency_rows = ""
+    for metric, label in LATENCY_ROWS:
+        stats: LatencyStats | None = getattr(summary, metric)
+        cells = "".join(
+            f"<td>{_ms(getattr(stats, s) if stats else None)}</td>" for s in ("mean", "p50", "p90", "p99", "max")
+        )
+        latency_rows += f"<tr><th>{label}</th>{cells}<td>{stats.count if stats else 0}</td></tr>"
+    slo_rows = "".join(
+        f"<tr class='{'met' if r.met else 'missed'}'><td>{r.slo.name}</td><td>{_ms(r.slo.threshold_s)}</td>"
+        f"<td>{_ms(r.observed_s)}</td><td>{'met' if r.met else 'MISSED'}</td></tr>"
+        for r in summary.slos
+    )
+    goodput = "" if summary.goodput is None else f"<li>goodput: <b>{summary.goodput:.2f}</b> requests/s</li>"
+    notes = "".join(f"<li>{html.escape(note)}</li>" for note in result.advisories)
+    config_rows = "".join(
+        f"<tr><th>{html.escape(key)}</th><td>{html.escape(str(value))}</td></tr>"
+        for key, value in config.model_dump().items()
+    )
+    return f"""
+<table class='outcomes'><tr>{outcome_cells}</tr></table>
+<ul><li>{summary.num_requests} requests in {summary.duration_s:.1f} s; peak {summary.peak_in_flight} in flight</li>
+<li>throughput: <b>{summary.request_throughput:.2f}</b> ok requests/s,
+<b>{summary.output_token_throughput:.1f}</b> output tokens/s</li>{goodput}</ul>
+<h2>Latency of ok requests (ms)</h2>
+<table><tr><th></th><th>mean</th><th>p50</th><th>p90</th><th>p99</th><th>max</th><th>count</th></tr>{latency_rows}</table>
+<p>TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM's benchmark defines it; ITL pools every gap between tokens.</p>
+{_SLO_TABLE.format(rows=slo_rows) if slo_rows else ""}
+{f"<h2>Read before trusting the numbers</h2><ul>{notes}</ul>" if notes else ""}
+<h2>Configuration</h2><table>{config_rows}</table>
+"""
+
+
+_SLO_TABLE = "<h2>SLOs</h2><table><tr><th>SLO</th><th>threshold ms</th><th>observed ms</th><th></th></tr>{rows}</table>"
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0; }
+td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
+tr.missed td { background: #fdd; } tr.met td { background: #dfd; }
+"""

@@ -1,0 +1,72 @@
+"""One run's results as one JSON file: configuration, summary, every request record, fault windows and the server's
+Prometheus series. Reading a file back validates it, so the report can be re-rendered from any saved run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from loadgen.analysis import Summary
+from loadgen.records import RequestRecord
+
+
+class FaultWindow(BaseModel):
+    """A fault that was active during the run (a chaos experiment's timeline), in wall-clock seconds."""
+
+    name: str
+    start_unix: float
+    end_unix: float
+
+
+class PromSeries(BaseModel):
+    """One Prometheus range query over the run: ``points`` are (unix seconds, value)."""
+
+    name: str
+    query: str
+    points: list[tuple[float, float]]
+
+
+class RunConfig(BaseModel):
+    base_url: str
+    model: str
+    arrival: str
+    workload: str
+    input_len: str
+    output_len: str
+    num_requests: int | None
+    duration_s: float | None
+    max_concurrency: int | None
+    request_timeout_s: float
+    stall_timeout_s: float
+    exact_output: bool
+    seed: int
+    slo: str | None
+
+
+class RunResult(BaseModel):
+    """``start_unix`` and ``start_ts`` (perf_counter) are the same instant: the zero of every record's offsets."""
+
+    run_id: str
+    start_unix: float
+    start_ts: float
+    config: RunConfig
+    summary: Summary
+    advisories: list[str] = []
+    records: list[RequestRecord]
+    fault_windows: list[FaultWindow] = []
+    prometheus: list[PromSeries] = []
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1))
+
+    @classmethod
+    def read(cls, path: Path) -> RunResult:
+        return cls.model_validate_json(path.read_text())
+
+
+def read_fault_windows(path: Path) -> list[FaultWindow]:
+    """A JSON list of ``{"name", "start_unix", "end_unix"}`` objects (what a chaos runner records)."""
+    return [FaultWindow.model_validate(item) for item in json.loads(path.read_text())]

@@ -1,0 +1,283 @@
+"""A fake OpenAI-compatible server whose streams follow a script with known timing (the yardstick of the client).
+
+Each request gets a script from its arrival order at the server: first token ``ttft_ms`` after the request arrived
+(plus ``order * slowdown_ms``, for servers that get slower and slower), then one token every ``gap_ms``. Sleeps aim
+at absolute times, so lateness never accumulates, and the server stamps every token with ``time.perf_counter()``
+right after handing it to the socket, on the same clock as the client: ``GET /script-log`` returns those stamps,
+so a test can compare what the client measured with what the server really did, not only with what it meant to do.
+
+With ``--fault-plan mixed`` the order also picks a fault (``FAULT_SLOTS``), each with the outcome the client must
+report (``EXPECTED_OUTCOME``). Run it in its own process (``python -m loadgen.scripted_server --port 0``; it
+prints ``listening on HOST:PORT``) so the client under test does not share its event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from aiohttp import web
+
+from loadgen.records import Outcome
+
+# order % 100 -> fault; every tenth request (order % 10 == 9) is answered 429 before these apply.
+FAULT_SLOTS = {
+    3: "stall_ok",  # one stall of stall_ms before token 10: a long gap, still a clean stream
+    7: "break",  # the connection is cut after token 7
+    13: "stall_broken",  # a stall of long_stall_ms (longer than the client's stall timeout) before token 5
+    21: "no_done",  # finish reason sent, then a clean end of stream without [DONE]
+    33: "no_finish_reason",  # [DONE] without any finish reason
+    41: "usage_mismatch",  # usage.completion_tokens is one more than the tokens sent (a missing chunk)
+    47: "chunk_after_finish",  # the last token chunk sent twice, after the finish reason
+    55: "client_timeout",  # headers, then silence for silence_ms (longer than the client's request timeout)
+    61: "status_503",  # 503 before the stream
+    67: "keepalive",  # keep-alive comments and CRLF line endings: still a clean stream
+}
+EXPECTED_OUTCOME = {
+    "normal": Outcome.OK,
+    "stall_ok": Outcome.OK,
+    "keepalive": Outcome.OK,
+    "status_429": Outcome.REJECTED,
+    "status_503": Outcome.REJECTED,
+    "break": Outcome.BROKEN_STREAM,
+    "stall_broken": Outcome.BROKEN_STREAM,
+    "no_done": Outcome.BROKEN_STREAM,
+    "no_finish_reason": Outcome.BROKEN_STREAM,
+    "usage_mismatch": Outcome.BROKEN_STREAM,
+    "chunk_after_finish": Outcome.BROKEN_STREAM,
+    "client_timeout": Outcome.CLIENT_TIMEOUT,
+}
+STALL_BEFORE_TOKEN = {"stall_ok": 10, "stall_broken": 5}
+BREAK_AFTER_TOKENS = 7
+
+
+@dataclass(frozen=True)
+class ServerScript:
+    ttft_ms: float = 150.0
+    gap_ms: float = 20.0
+    slowdown_ms: float = 0.0
+    stall_ms: float = 400.0
+    long_stall_ms: float = 1500.0
+    silence_ms: float = 3000.0
+    fault_plan: str = "none"
+
+    def fault_for(self, order: int) -> str:
+        if self.fault_plan == "none":
+            return "normal"
+        if order % 10 == 9:
+            return "status_429"
+        return FAULT_SLOTS.get(order % 100, "normal")
+
+
+@dataclass
+class StreamLog:
+    """What the server did for one request; ``token_send_ts`` are perf_counter stamps after each token's write."""
+
+    order: int
+    request_id: str
+    fault: str
+    received_ts: float
+    num_tokens: int
+    ttft_s: float
+    gap_s: float
+    stall_before_token: int | None
+    stall_s: float
+    token_send_ts: list[float] = field(default_factory=list)
+
+
+class ScriptedServer:
+    def __init__(self, script: ServerScript) -> None:
+        self.script = script
+        self.logs: list[StreamLog] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.stream)
+        app.router.add_post("/v1/chat/completions", self.stream)
+        app.router.add_get("/script-log", self.script_log)
+        return app
+
+    async def script_log(self, _: web.Request) -> web.Response:
+        return web.json_response([asdict(log) for log in self.logs])
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        received_ts = time.perf_counter()
+        body = await request.json()
+        order = len(self.logs)
+        fault = self.script.fault_for(order)
+        stall_before = STALL_BEFORE_TOKEN.get(fault)
+        log = StreamLog(
+            order=order,
+            request_id=request.headers.get("X-Request-Id", ""),
+            fault=fault,
+            received_ts=received_ts,
+            num_tokens=int(body.get("max_tokens", 16)),
+            ttft_s=(self.script.ttft_ms + order * self.script.slowdown_ms) / 1e3,
+            gap_s=self.script.gap_ms / 1e3,
+            stall_before_token=stall_before,
+            stall_s=(self.script.long_stall_ms if fault == "stall_broken" else self.script.stall_ms) / 1e3,
+        )
+        self.logs.append(log)
+        if fault.startswith("status_"):
+            status = int(fault.removeprefix("status_"))
+            return web.json_response({"error": {"message": f"scripted {status}", "code": status}}, status=status)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        chat = request.path.endswith("/chat/completions")
+        # The client gives up on some faults (stall, request timeout): writes after that fail, as expected.
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await self._write_stream(request, response, log, chat)
+        return response
+
+    async def _write_stream(
+        self, request: web.Request, response: web.StreamResponse, log: StreamLog, chat: bool
+    ) -> None:
+        newline = "\r\n" if log.fault == "keepalive" else "\n"
+        frame = _Framer(log.request_id, chat, newline)
+        if chat:
+            await response.write(frame.chunk({"role": "assistant", "content": ""}, None))
+        if log.fault == "client_timeout":
+            await asyncio.sleep(self.script.silence_ms / 1e3)
+        for position in range(log.num_tokens):
+            target_ts = log.received_ts + log.ttft_s + position * log.gap_s
+            if log.stall_before_token is not None and position >= log.stall_before_token:
+                target_ts += log.stall_s
+            await _sleep_until(target_ts)
+            if log.fault == "break" and position == BREAK_AFTER_TOKENS:
+                request.transport.close()
+                return
+            if log.fault == "keepalive":
+                await response.write(f": keepalive{newline}{newline}".encode())
+            is_last = position == log.num_tokens - 1
+            finish = "length" if is_last and log.fault != "no_finish_reason" else None
+            await response.write(frame.token(position, finish))
+            log.token_send_ts.append(time.perf_counter())
+        if log.fault == "chunk_after_finish":
+            await response.write(frame.token(log.num_tokens - 1, None))
+        usage_tokens = log.num_tokens + (log.fault == "usage_mismatch")
+        tail = frame.usage(usage_tokens) + (b"" if log.fault == "no_done" else frame.done())
+        await response.write(tail)
+        await response.write_eof()
+
+
+class _Framer:
+    """SSE bytes in the OpenAI shapes (completions or chat chunks)."""
+
+    def __init__(self, request_id: str, chat: bool, newline: str) -> None:
+        self.request_id, self.chat, self.newline = request_id, chat, newline
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _event(self, payload: dict) -> bytes:
+        return f"data: {json.dumps(payload)}{self.newline}{self.newline}".encode()
+
+    def chunk(self, delta: dict, finish: str | None) -> bytes:
+        choice = {"index": 0, "delta": delta} if self.chat else {"index": 0, "text": delta["content"]}
+        choice["finish_reason"] = finish
+        return self._event({"id": self.request_id, "object": self.object, "choices": [choice]})
+
+    def token(self, position: int, finish: str | None) -> bytes:
+        return self.chunk({"content": f" t{position}"}, finish)
+
+    def usage(self, completion_tokens: int) -> bytes:
+        usage = {"prompt_tokens": 8, "completion_tokens": completion_tokens, "total_tokens": 8 + completion_tokens}
+        return self._event({"id": self.request_id, "object": self.object, "choices": [], "usage": usage})
+
+    def done(self) -> bytes:
+        return f"data: [DONE]{self.newline}{self.newline}".encode()
+
+
+async def _sleep_until(target_ts: float) -> None:
+    delay_s = target_ts - time.perf_counter()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+
+
+def prioritize_timing(cpu: int | None = None) -> None:
+    """For a timing-critical process on a shared machine: real-time priority (SCHED_FIFO 1) where allowed, else
+    nice -10 where allowed, else nothing; optionally pinned to one CPU. Meant as a ``preexec_fn`` of a child started
+    with ``start_new_session=True`` (the kernel shares CPU time per session, so nice alone does not reach across).
+    Such a child sleeps most of the time and the kernel caps real-time tasks at 95% of a CPU: nothing starves."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):  # AttributeError: not Linux
+        with contextlib.suppress(OSError):
+            os.nice(-10)
+
+
+class ServerProcess:
+    """A scripted server in its own process (see :func:`scripted_server_process`)."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str) -> None:
+        self.process, self.base_url = process, base_url
+
+    def script_log(self) -> dict[str, dict]:
+        """What the server did for every request so far, by X-Request-Id (see :class:`StreamLog`)."""
+        with urllib.request.urlopen(self.base_url + "/script-log", timeout=60) as response:
+            return {entry["request_id"]: entry for entry in json.load(response)}
+
+
+@contextlib.contextmanager
+def scripted_server_process(
+    *args: str, cpu: int | None = None, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """``python -m loadgen.scripted_server ARGS`` on a free loopback port, at timing priority, stopped on exit."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loadgen.scripted_server", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=functools.partial(prioritize_timing, cpu),
+        start_new_session=True,
+        env=env,
+    )
+    try:
+        line = process.stdout.readline()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the scripted server did not start: {line!r}")
+        yield ServerProcess(process, "http://" + line.removeprefix("listening on ").strip())
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on stdout)")
+    defaults = ServerScript()
+    for name in ("ttft_ms", "gap_ms", "slowdown_ms", "stall_ms", "long_stall_ms", "silence_ms"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--fault-plan", choices=["none", "mixed"], default=defaults.fault_plan)
+    args = parser.parse_args(argv)
+    script = ServerScript(**{name: getattr(args, name) for name in ServerScript.__dataclass_fields__})
+    asyncio.run(_serve(ScriptedServer(script), args.host, args.port))
+
+
+async def _serve(server: ScriptedServer, host: str, port: int) -> None:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = runner.addresses[0][1]
+    # A yardstick must not pause: no garbage-collector sweeps during a (bounded) run.
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    print(f"listening on {host}:{bound_port}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

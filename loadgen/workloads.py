@@ -1,0 +1,162 @@
+"""Workloads: what each scheduled request asks for (prompt, endpoint, output length).
+
+Specs (``--workload``)::
+
+    random[:low=1000,high=30000]   completions with ``prompt`` = a list of random token ids in [low, high)
+                                   (ids in a range every common vocabulary has; no tokenizer needed)
+    chat                           chat completions built from the corpus that ships with the package;
+                                   about 0.75 words per token, so prompt lengths are approximate (the
+                                   server's usage.prompt_tokens is what the results record)
+    jsonl:path=prompts.jsonl       one object per line: {"prompt": str | [int]} (completions) or
+                                   {"messages": [...]} (chat), optionally "max_tokens"
+
+Lengths (``--input-len``, ``--output-len``): ``fixed:128``, ``uniform:64-512``, ``normal:mean=256,std=64``,
+``lognormal:median=256,sigma=0.5``. Samples are rounded and clipped to at least 1.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadgen.arrivals import Arrival
+from loadgen.spec import Spec, parse_spec
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_PATH = "/v1/chat/completions"
+WORKLOAD_KINDS = {"random", "chat", "jsonl"}
+LENGTH_KINDS = {"fixed", "uniform", "normal", "lognormal"}
+WORDS_PER_TOKEN = 0.75
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request of a run, fully decided before the run starts (so the schedule does not depend on the server)."""
+
+    index: int
+    offset_s: float
+    path: str
+    body: dict[str, Any]
+    max_tokens: int
+
+
+def request_body(
+    planned: PlannedRequest, model: str, *, exact_output: bool, extra_body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The JSON body of a streamed request. ``exact_output`` asks for exactly ``max_tokens`` tokens with
+    ``ignore_eos`` and ``min_tokens`` (vLLM, SGLang and kvstorm read them; a server that does not may stop early or
+    reject the request, and the report says so). Usage comes in the last chunk (``include_usage``)."""
+    body = {
+        **planned.body,
+        "model": model,
+        "max_tokens": planned.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if exact_output:
+        body.update(ignore_eos=True, min_tokens=planned.max_tokens)
+    return {**body, **(extra_body or {})}
+
+
+def sample_lengths(text: str, count: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` integer lengths >= 1 from a length spec."""
+    spec = parse_spec(text, LENGTH_KINDS)
+    if spec.kind == "fixed":
+        values = np.full(count, _bare_int(spec))
+    elif spec.kind == "uniform":
+        low, _, high = spec.args.partition("-")
+        try:
+            low_value, high_value = int(low), int(high)
+        except ValueError:
+            raise ValueError(f"{text!r}: expected uniform:LOW-HIGH, e.g. uniform:64-512") from None
+        if not 1 <= low_value <= high_value:
+            raise ValueError(f"{text!r}: need 1 <= LOW <= HIGH")
+        values = rng.integers(low_value, high_value + 1, size=count)
+    elif spec.kind == "normal":
+        spec.check_keys({"mean", "std"})
+        values = rng.normal(spec.get_float("mean", minimum=1), spec.get_float("std", minimum=0), size=count)
+    else:
+        spec.check_keys({"median", "sigma"})
+        median = spec.get_float("median", minimum=1)
+        values = rng.lognormal(np.log(median), spec.get_float("sigma", minimum=0), size=count)
+    return np.maximum(np.rint(values), 1).astype(np.int64)
+
+
+def _bare_int(spec: Spec) -> int:
+    try:
+        value = int(spec.args)
+    except ValueError:
+        raise ValueError(f"{spec.text!r}: expected fixed:N, e.g. fixed:128") from None
+    if value < 1:
+        raise ValueError(f"{spec.text!r}: N must be >= 1")
+    return value
+
+
+def build_plan(
+    arrivals: list[Arrival], workload: str, *, input_len: str, output_len: str, seed: int = 0
+) -> list[PlannedRequest]:
+    """Pair each arrival with a prompt and an output length; a trace's own lengths win over the distributions."""
+    spec = parse_spec(workload, WORKLOAD_KINDS)
+    rng = np.random.default_rng(seed + 1)
+    prompt_lens = sample_lengths(input_len, len(arrivals), rng)
+    output_lens = sample_lengths(output_len, len(arrivals), rng)
+    jsonl_items = _read_jsonl(spec) if spec.kind == "jsonl" else []
+    sentences = _corpus_sentences() if spec.kind == "chat" else []
+    if spec.kind == "random":
+        spec.check_keys({"low", "high"})
+        low, high = spec.get_int("low", 1000, minimum=0), spec.get_int("high", 30000, minimum=1)
+        if low >= high:
+            raise ValueError(f"{workload!r}: need low < high")
+    plan = []
+    for index, arrival in enumerate(arrivals):
+        prompt_len = arrival.prompt_len or int(prompt_lens[index])
+        max_tokens = arrival.output_len or int(output_lens[index])
+        if spec.kind == "random":
+            path, body = COMPLETIONS_PATH, {"prompt": rng.integers(low, high, size=prompt_len).tolist()}
+        elif spec.kind == "chat":
+            text = _corpus_text(sentences, prompt_len, rng)
+            path, body = CHAT_PATH, {"messages": [{"role": "user", "content": text}]}
+        else:
+            path, body, max_tokens = _jsonl_request(jsonl_items[index % len(jsonl_items)], max_tokens, spec)
+        plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens))
+    return plan
+
+
+def _corpus_sentences() -> list[str]:
+    text = resources.files("loadgen").joinpath("corpus.txt").read_text(encoding="utf-8")
+    return [sentence for sentence in re.split(r"(?<=[.!?])\s+", text) if sentence]
+
+
+def _corpus_text(sentences: list[str], prompt_len: int, rng: np.random.Generator) -> str:
+    """About ``prompt_len`` tokens of consecutive corpus sentences from a random start, wrapping around."""
+    num_words = max(1, round(prompt_len * WORDS_PER_TOKEN))
+    words: list[str] = []
+    position = int(rng.integers(len(sentences)))
+    while len(words) < num_words:
+        words.extend(sentences[position % len(sentences)].split())
+        position += 1
+    return " ".join(words[:num_words])
+
+
+def _read_jsonl(spec: Spec) -> list[dict[str, Any]]:
+    spec.check_keys({"path"})
+    path = Path(spec.params.get("path") or spec.args)
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+def _jsonl_request(item: dict[str, Any], max_tokens: int, spec: Spec) -> tuple[str, dict[str, Any], int]:
+    max_tokens = int(item.get("max_tokens", max_tokens))
+    if "messages" in item:
+        return CHAT_PATH, {"messages": item["messages"]}, max_tokens
+    if "prompt" in item:
+        return COMPLETIONS_PATH, {"prompt": item["prompt"]}, max_tokens
+    raise ValueError(f"{spec.text!r}: every line needs 'prompt' or 'messages' (got keys {sorted(item)})")

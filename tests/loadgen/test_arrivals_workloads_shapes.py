@@ -1,0 +1,158 @@
+"""Schedules, workloads and Locust shapes are pure functions: checked without sleeping or a server."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadgen.arrivals import _renewal, make_arrivals
+from loadgen.shapes import make_shape
+from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, request_body, sample_lengths
+
+
+def offsets(text: str, **bounds) -> np.ndarray:
+    return np.asarray([arrival.offset_s for arrival in make_arrivals(text, seed=1, **bounds)])
+
+
+def test_constant_rate_is_evenly_spaced_and_bounded_by_count_or_duration():
+    np.testing.assert_allclose(offsets("constant:rate=4", num_requests=5, duration_s=None), [0, 0.25, 0.5, 0.75, 1])
+    assert len(offsets("constant:rate=4", num_requests=None, duration_s=10)) == 40
+
+
+def test_poisson_and_gamma_have_the_rate_and_the_burstiness_asked_for():
+    poisson = np.diff(offsets("poisson:rate=50", num_requests=20000, duration_s=None))
+    assert poisson.mean() == pytest.approx(1 / 50, rel=0.03)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV 1
+    bursty = np.diff(offsets("gamma:rate=50,burstiness=0.25", num_requests=20000, duration_s=None))
+    assert bursty.mean() == pytest.approx(1 / 50, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.08)  # gamma shape k: CV 1/sqrt(k)
+
+
+def test_onoff_bursts_at_the_start_of_every_period():
+    arrivals = offsets("onoff:base=2,burst=20,burst_s=1,period_s=4,spacing=even", num_requests=None, duration_s=8)
+    in_burst = (arrivals % 4) < 1
+    assert in_burst.sum() == 2 * 20  # two periods, 20/s for 1 s each
+    assert (~in_burst).sum() == 2 * 6  # 2/s for the other 3 s of each period
+    poisson = offsets("onoff:base=2,burst=20,burst_s=1,period_s=4", num_requests=None, duration_s=400)
+    assert ((poisson % 4) < 1).sum() / 100 == pytest.approx(20, rel=0.1)
+
+
+def test_steps_ramp_and_the_last_rate_holds():
+    arrivals = offsets("steps:rates=2/4/8,step_s=1,spacing=even", num_requests=None, duration_s=5)
+    counts = np.histogram(arrivals, bins=[0, 1, 2, 3, 4, 5])[0]
+    assert counts.tolist() == [2, 4, 8, 8, 8]
+
+
+def test_trace_replay_keeps_times_and_lengths(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 100.5, "prompt_len": 7, "output_len": 3},
+        {"timestamp": 100.0, "prompt_len": 5, "output_len": 9},
+    ]
+    trace.write_text("\n".join(json.dumps(row) for row in rows))
+    arrivals = make_arrivals(f"trace:path={trace},speedup=2", num_requests=None, duration_s=None)
+    assert [(a.offset_s, a.prompt_len, a.output_len) for a in arrivals] == [(0.0, 5, 9), (0.25, 7, 3)]
+    plan = build_plan(arrivals, "random", input_len="fixed:100", output_len="fixed:100")
+    assert [(len(p.body["prompt"]), p.max_tokens) for p in plan] == [(5, 9), (7, 3)]
+    csv_trace = tmp_path / "trace.csv"
+    csv_trace.write_text("timestamp,prompt_len,output_len\n3.0,4,2\n1.0,6,8\n")
+    arrivals = make_arrivals(f"trace:path={csv_trace}", num_requests=None, duration_s=None)
+    assert [(a.offset_s, a.prompt_len, a.output_len) for a in arrivals] == [(0.0, 6, 8), (2.0, 4, 2)]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("poisson:rate=0", "must be >="),
+        ("poisson:rate=5,burstiness=2", "unknown key"),
+        ("zipf:rate=5", "unknown kind"),
+        ("onoff:base=1,burst=5,burst_s=9,period_s=4", "longer than period_s"),
+        ("poisson:rate=5", "--num-requests or --duration"),
+    ],
+)
+def test_bad_arrival_specs_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        make_arrivals(text, num_requests=None, duration_s=None)
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    assert set(sample_lengths("fixed:16", 10, rng)) == {16}
+    uniform = sample_lengths("uniform:3-5", 1000, rng)
+    assert set(uniform) == {3, 4, 5}
+    assert sample_lengths("normal:mean=200,std=20", 5000, rng).mean() == pytest.approx(200, rel=0.02)
+    assert np.median(sample_lengths("lognormal:median=100,sigma=0.5", 5000, rng)) == pytest.approx(100, rel=0.05)
+    assert sample_lengths("normal:mean=1,std=50", 1000, rng).min() >= 1
+    with pytest.raises(ValueError, match="uniform:LOW-HIGH"):
+        sample_lengths("uniform:5", 1, rng)
+
+
+def test_random_workload_sends_token_ids_in_the_safe_range():
+    arrivals = make_arrivals("constant:rate=1", num_requests=20, duration_s=None)
+    plan = build_plan(arrivals, "random:low=100,high=200", input_len="uniform:5-50", output_len="fixed:8")
+    for planned in plan:
+        assert planned.path == COMPLETIONS_PATH
+        assert 5 <= len(planned.body["prompt"]) <= 50
+        assert all(100 <= token_id < 200 for token_id in planned.body["prompt"])
+    assert len({tuple(p.body["prompt"]) for p in plan}) == 20
+
+
+def test_chat_workload_builds_prompts_of_about_the_length_from_the_shipped_corpus():
+    arrivals = make_arrivals("constant:rate=1", num_requests=10, duration_s=None)
+    plan = build_plan(arrivals, "chat", input_len="fixed:400", output_len="fixed:8")
+    for planned in plan:
+        assert planned.path == CHAT_PATH
+        (message,) = planned.body["messages"]
+        assert message["role"] == "user"
+        assert len(message["content"].split()) == 300  # 0.75 words per token
+    assert len({p.body["messages"][0]["content"] for p in plan}) > 1
+
+
+def test_jsonl_workload(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}\n')
+    arrivals = make_arrivals("constant:rate=1", num_requests=3, duration_s=None)
+    plan = build_plan(arrivals, f"jsonl:path={prompts}", input_len="fixed:1", output_len="fixed:7")
+    assert [(p.path, p.max_tokens) for p in plan] == [(COMPLETIONS_PATH, 7), (CHAT_PATH, 3), (COMPLETIONS_PATH, 7)]
+
+
+def test_request_body_asks_for_exact_output_lengths_and_usage():
+    (planned,) = build_plan(make_arrivals("constant:rate=1", num_requests=1, duration_s=None), "random",
+                            input_len="fixed:2", output_len="fixed:9")  # fmt: skip
+    body = request_body(planned, "m", exact_output=True, extra_body={"temperature": 0})
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["min_tokens"], body["ignore_eos"], body["temperature"]) == (9, 9, True, 0)
+    assert "ignore_eos" not in request_body(planned, "m", exact_output=False)
+
+
+def test_corpus_ships_as_package_data():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert "corpus.txt" in config["tool"]["setuptools"]["package-data"]["loadgen"]
+
+
+def test_shapes_over_time():
+    onoff = make_shape("onoff:base=2,burst=20,burst_s=10,period_s=60", default_users=1, spawn_rate=5, run_time_s=130)
+    assert [onoff.tick(t) for t in (0, 9.9, 10, 59, 60, 75)] == [(20, 5), (20, 5), (2, 5), (2, 5), (20, 5), (2, 5)]
+    assert onoff.tick(130) is None
+    spike = make_shape("spike:base=1,peak=50,at_s=30,spike_s=5,spawn_rate=100", default_users=1, spawn_rate=None,
+                       run_time_s=None)  # fmt: skip
+    assert [spike.tick(t)[0] for t in (0, 29, 30, 34.9, 35)] == [1, 1, 50, 50, 1]
+    assert spike.tick(1e6) == (1, 100)
+    step = make_shape("step:start=5,step=5,step_s=30,max=12", default_users=1, spawn_rate=None, run_time_s=None)
+    assert [step.tick(t) for t in (0, 30, 60, 999)] == [(5, 5.0), (10, 10.0), (12, 12.0), (12, 12.0)]
+    assert make_shape("constant", default_users=7, spawn_rate=None, run_time_s=None).tick(3) == (7, 7.0)
+    with pytest.raises(ValueError, match="missing max"):
+        make_shape("step:start=5,step=5,step_s=30", default_users=1, spawn_rate=None, run_time_s=None)
+
+
+def test_gaps_are_drawn_until_the_bound_however_bursty():
+    # Batches of three 1 s gaps: a duration of 10 s needs four batches, a count of 5 needs two.
+    np.testing.assert_array_equal(_renewal(lambda: np.ones(3), None, 10.0), np.arange(13.0))
+    np.testing.assert_array_equal(_renewal(lambda: np.ones(3), 5, None), np.arange(7.0))
+    bursty = make_arrivals("gamma:rate=10,burstiness=0.02", num_requests=None, duration_s=60, seed=0)
+    assert bursty[-1].offset_s > 30  # not cut off after a fixed number of draws
