@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
 
+from engine.async_engine import AdmissionLimits, AsyncEngine
 from engine.attention.selector import BACKENDS
 from engine.bench_offline import PEER_MODEL, BenchReport, run_offline_bench
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.metrics import EngineMetrics
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.server import ServerConfig, create_app, start_server
+
+ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
 
 DEFAULT_MODEL = "smollm2-135m"
 _SIZE = re.compile(r"(?P<number>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?", re.IGNORECASE)
@@ -173,3 +181,77 @@ def run_bench_offline(args: argparse.Namespace) -> BenchReport:
     if args.json is not None:
         args.json.write_text(json.dumps(report.data, indent=2))
     return report
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="OpenAI-compatible streaming server (aiohttp)")
+    add_engine_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    server.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    server.add_argument("--max-body-size", type=parse_bytes, default="1MiB", help="larger bodies get 413")
+    server.add_argument(
+        "--stall-timeout", type=float, default=30.0, help="/health is 503 after this long in flight without a step"
+    )
+    server.add_argument("--max-waiting", type=int, default=None, help="429 when this many requests wait")
+    server.add_argument(
+        "--max-queue-delay", type=float, default=None, help="429 when the estimated queue time exceeds this (s)"
+    )
+    server.add_argument(
+        "--max-buffered-outputs",
+        type=int,
+        default=AdmissionLimits().max_buffered_outputs,
+        help="a stream whose client leaves this many outputs unread is aborted",
+    )
+    server.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        help=f"enables /admin/* behind this bearer token (default: ${ADMIN_TOKEN_ENV})",
+    )
+    server.add_argument(
+        "--histogram-buckets",
+        type=_float_list,
+        default=(),
+        help="extra latency bucket boundaries in seconds, comma-separated (e.g. SLO thresholds)",
+    )
+    parser.set_defaults(handler=run_serve)
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = ServerConfig(
+        served_model_name=args.served_model_name or args.model,
+        max_body_bytes=args.max_body_size,
+        stall_timeout_s=args.stall_timeout,
+        admin_token=args.admin_token,
+    )
+    limits = AdmissionLimits(
+        max_waiting=args.max_waiting,
+        max_queue_delay_s=args.max_queue_delay,
+        max_buffered_outputs=args.max_buffered_outputs,
+    )
+    engine = LLMEngine(engine_config_from_args(args))
+    metrics = EngineMetrics(config.served_model_name, args.histogram_buckets)
+    app = create_app(AsyncEngine(engine, metrics, limits), config)
+    asyncio.run(_serve_until_signalled(app, args.host, args.port))
+    return 0
+
+
+async def _serve_until_signalled(app, host: str, port: int) -> None:
+    runner, bound_port = await start_server(app, host, port)
+    print(f"kvstorm serve: listening on http://{host}:{bound_port}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -40,8 +40,10 @@ class StepStats:
     num_prefill_tokens: int
     num_swapped_in_blocks: int
     num_swapped_out_blocks: int
-    num_preemptions: int
     duration_s: float
+    preemptions: tuple[PreemptionEvent, ...] = ()
+    # Time spent moving blocks between the device and host pools.
+    swap_s: float = 0.0
 
 
 class LLMEngine:
@@ -114,6 +116,21 @@ class LLMEngine:
         arrival_ts: float | None = None,
     ) -> Request:
         """Queue a request; ``ValueError`` with the numbers if it is malformed or can never fit."""
+        request = self.prepare_request(prompt, params, request_id, arrival_ts)
+        self.add_prepared_request(request)
+        return request
+
+    def prepare_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_ts: float | None = None,
+    ) -> Request:
+        """Tokenize and validate without touching engine state (safe from another thread).
+
+        Raises ``ValueError`` with the numbers if the request is malformed or can never fit.
+        """
         prompt_ids = self._prompt_ids(prompt)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -144,16 +161,25 @@ class LLMEngine:
         )
         if arrival_ts is not None:
             request.arrival_ts = arrival_ts
-        self.scheduler.add_request(request)
-        if params.stop:
-            self._stop_checkers[request.request_id] = _StopStringChecker(self.tokenizer, params.stop)
         return request
 
-    def abort_request(self, request_id: str) -> bool:
-        """Abort now: the request leaves its queue and its blocks are free before this returns."""
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue a request made by ``prepare_request``; ``ValueError`` if its id is already in use."""
+        self.scheduler.add_request(request)
+        if request.sampling_params.stop:
+            self._stop_checkers[request.request_id] = _StopStringChecker(self.tokenizer, request.sampling_params.stop)
+
+    def abort_request(self, request_id: str) -> str | None:
+        """Abort now: the request leaves its queue and its blocks are free before this returns.
+
+        Returns the phase the abort hit (see ``Request.phase``), or None if the request is unknown or done.
+        """
         self._stop_checkers.pop(request_id, None)
         self.runner.release([request_id])
-        return self.scheduler.abort_request(request_id)
+        request = self.scheduler.requests.get(request_id)
+        phase = request.phase if request is not None else None
+        self.scheduler.abort_request(request_id)
+        return phase
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -163,12 +189,18 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduler_output)
-        outputs = self._apply_stop_strings(self.scheduler.update_from_output(scheduler_output, sampled))
+        result = self.runner.execute(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        if result.logprobs:
+            outputs = [
+                replace(o, logprobs=(result.logprobs[o.request_id],)) if o.request_id in result.logprobs else o
+                for o in outputs
+            ]
+        outputs = self._apply_stop_strings(outputs)
         self.runner.release(o.request_id for o in outputs if o.finished)
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
-        self._record(scheduler_output, time.perf_counter() - start)
+        self._record(scheduler_output, time.perf_counter() - start, result.swap_s)
         return outputs
 
     def stats(self) -> SchedulerStats:
@@ -207,7 +239,7 @@ class LLMEngine:
             checked.append(output)
         return checked
 
-    def _record(self, output: SchedulerOutput, duration_s: float) -> None:
+    def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float) -> None:
         num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
         self.preemption_log.extend(output.preemptions)
         if num_prefill > output.num_batched_tokens // 2:
@@ -218,8 +250,9 @@ class LLMEngine:
             num_prefill_tokens=num_prefill,
             num_swapped_in_blocks=len(output.blocks_to_swap_in),
             num_swapped_out_blocks=len(output.blocks_to_swap_out),
-            num_preemptions=len(output.preemptions),
+            preemptions=tuple(output.preemptions),
             duration_s=duration_s,
+            swap_s=swap_s,
         )
 
 

@@ -13,8 +13,8 @@ import torch
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.model.llama import LlamaForCausalLM
-from engine.outputs import ScheduledRequest, SchedulerOutput
-from engine.sampling import make_generator, sample
+from engine.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.sampling import compute_logprobs, make_generator, sample
 
 
 class ModelRunner:
@@ -36,24 +36,29 @@ class ModelRunner:
         )
         self._generators: dict[str, torch.Generator | None] = {}
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request that ``needs_sample``."""
+    def execute(self, output: SchedulerOutput) -> ExecuteResult:
+        """Run one step: the sampled token of every request that ``needs_sample``, logprobs where asked."""
+        start = time.perf_counter()
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
+        if output.blocks_to_swap_out or output.blocks_to_swap_in:
+            self._synchronize()
+        swap_s = time.perf_counter() - start
         move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
-            return {}
+            return ExecuteResult({}, swap_s=swap_s)
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
         if not to_sample:  # every chunk was a partial prefill
-            return {}
+            return ExecuteResult({}, swap_s=swap_s)
         tokens = sample(
             logits,
             [s.sampling_params for s in to_sample],
             [self._generator(s) for s in to_sample],
             [s.banned_token_ids for s in to_sample],
         )
-        return {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
+        sampled = {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
+        return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens), swap_s)
 
     def swap_out(self, block_pairs: Sequence[tuple[int, int]]) -> None:
         move_blocks(self.device_cache, self.host_cache, block_pairs, self.model.backend)
@@ -128,6 +133,18 @@ class ModelRunner:
             query_lens, seq_lens, slots, [c.block_ids for c in chunks], block_size, self.device
         )
         return int64_tensor(token_ids, self.device), int64_tensor(positions, self.device), metadata
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, to_sample: Sequence[ScheduledRequest], tokens: Sequence[int]
+    ) -> dict[str, TokenLogprobs]:
+        rows = [i for i, s in enumerate(to_sample) if s.sampling_params.logprobs is not None]
+        if not rows:
+            return {}
+        values = compute_logprobs(
+            logits[rows], [tokens[i] for i in rows], [to_sample[i].sampling_params.logprobs for i in rows]
+        )
+        return {to_sample[i].request_id: value for i, value in zip(rows, values, strict=True)}
 
     def _generator(self, scheduled: ScheduledRequest) -> torch.Generator | None:
         if scheduled.request_id not in self._generators:

@@ -62,6 +62,27 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities of the model's distribution (before temperature, top-k/p or banned tokens) at one position."""
+
+    token_id: int
+    logprob: float
+    # The most likely tokens at this position, most likely first.
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ExecuteResult:
+    """What the model runner returns for one step."""
+
+    sampled: dict[str, int]
+    # Only for requests that asked for logprobs.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    swap_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -71,6 +92,8 @@ class RequestOutput:
     num_output_tokens: int
     finish_reason: str | None  # "stop", "length", "abort" once finished
     stop_reason: int | str | None = None
+    # One entry per new token when the request asked for logprobs.
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -76,6 +76,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def phase(self) -> str:
+        """Where the request is: queued, prefill (more than one token to compute), decode, swapped or finished."""
+        if self.status is RequestStatus.WAITING:
+            return "queued"
+        if self.status is RequestStatus.SWAPPED:
+            return "swapped"
+        if self.status is RequestStatus.RUNNING:
+            pending = self.num_tokens - self.num_computed_tokens
+            return "prefill" if pending > 1 or not self.output_token_ids else "decode"
+        return "finished"
+
     def banned_token_ids(self) -> frozenset[int]:
         """Tokens that may not be sampled yet: every stop token until ``min_tokens`` are out."""
         params = self.sampling_params

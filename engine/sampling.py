@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -45,3 +46,16 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:
+    """Per row of ``logits`` [B, vocab]: the log-softmax value of ``token_ids[row]`` and the ``num_top[row]`` best."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    top = torch.topk(logprobs, max(num_top), dim=-1) if max(num_top) > 0 else None
+    results = []
+    for row, (token_id, k) in enumerate(zip(token_ids, num_top, strict=True)):
+        top_ids = tuple(top.indices[row, :k].tolist()) if top is not None else ()
+        top_values = tuple(top.values[row, :k].tolist()) if top is not None else ()
+        results.append(TokenLogprobs(token_id, chosen[row], top_ids, top_values))
+    return results

@@ -24,6 +24,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     # No stop token (EOS or stop_token_ids) can be sampled before this many tokens are out.
     min_tokens: int = 0
+    # Return the sampled token's log-probability and this many most likely alternatives; None: no logprobs.
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -40,6 +44,10 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise ValueError(f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
 

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from engine.cli import add_bench_offline_parser, add_generate_parser, run_bench_offline
+from engine.cli import add_bench_offline_parser, add_generate_parser, add_serve_parser, run_bench_offline
 from kvstorm.benchdoc import update_section
 from loadgen.cli import (
     add_bench_client_capacity_parser,
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstorm", description="continuous-batching LLM engine and chaos harness")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
     bench = subparsers.add_parser("bench", help="benchmarks that print numbers and record them in docs/benchmarks.md")
     bench.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     bench_subparsers = bench.add_subparsers(dest="bench", required=True)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import requests
+
+from engine.cli import ADMIN_TOKEN_ENV
 
 
 def run_kvstorm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -58,3 +63,26 @@ def test_bench_offline_refuses_transformers_peers_for_another_model():
     result = run_kvstorm("bench", "--no-docs", "offline", "--model", "random:tiny", "--num-requests", "1")
     assert result.returncode == 2
     assert "the transformers peers run smollm2-135m only" in result.stderr
+
+
+def test_serve_listens_on_loopback_answers_and_stops_cleanly_on_sigterm():
+    command = [sys.executable, "-m", "kvstorm", "serve", "--model", "random:tiny", "--port", "0"]
+    command += ["--kv-cache-memory", "8MiB", "--swap-space", "0", "--attention-backend", "torch"]
+    env = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in server.stderr:
+            if "listening on " in line:
+                url = line.strip().rsplit(" ", 1)[-1]
+                break
+        assert url is not None, "the server never said where it listens"
+        assert url.startswith("http://127.0.0.1:"), "the default bind address is loopback"
+        body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 4
+        assert requests.post(f"{url}/admin/pause", timeout=10).status_code == 404, "no admin routes without a token"
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0

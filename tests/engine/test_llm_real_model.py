@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.llm_engine import LLM
+from engine.model_runner import ModelRunner
+from engine.outputs import ScheduledRequest
 from engine.sampling_params import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,3 +49,31 @@ def test_text_prompts_and_token_prompts_agree(llm, real_tokenizer):
     params = SamplingParams(max_tokens=8, temperature=0)
     from_text, from_ids = llm.generate([text, real_tokenizer.encode(text)], params)
     assert from_text.token_ids == from_ids.token_ids
+
+
+def test_logprobs_are_the_models_log_softmax_at_each_sampled_position(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=11, logprobs=3)
+    request = engine.add_request("Paged attention is", params)
+    logprobs = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            logprobs.extend(output.logprobs)
+    assert [lp.token_id for lp in logprobs] == request.output_token_ids
+
+    context = request.prompt_token_ids + request.output_token_ids[:-1]
+    runner = ModelRunner(engine.runner.model, num_device_blocks=4, num_host_blocks=0, block_size=16)
+    logits = runner.forward([ScheduledRequest(context, 0, [0, 1, 2, 3])])  # every position
+    expected = torch.log_softmax(logits[request.num_prompt_tokens - 1 :].float(), dim=-1)
+    for position, (value, row) in enumerate(zip(logprobs, expected, strict=True)):
+        top = row.topk(3)
+        assert value.logprob == pytest.approx(float(row[value.token_id]), abs=1e-4), position
+        assert list(value.top_token_ids) == top.indices.tolist(), position
+        assert value.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4), position
+
+
+def test_logprobs_are_only_returned_when_asked(llm):
+    engine = llm.engine
+    engine.add_request("Paged attention is", SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished_requests():
+        assert all(output.logprobs is None for output in engine.step())

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import make_generator, sample
+from engine.sampling import compute_logprobs, make_generator, sample
 from engine.sampling_params import SamplingParams
 
 
@@ -64,3 +64,21 @@ def test_seed_makes_a_row_independent_of_its_batch_neighbours():
 def test_invalid_parameters_are_rejected_with_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_of_chosen_and_top_tokens_come_from_log_softmax():
+    logits = random_logits(rows=3)
+    values = compute_logprobs(logits, [5, 0, 49], [2, 0, 4])
+    expected = torch.log_softmax(logits, dim=-1)
+    assert [v.logprob for v in values] == pytest.approx(
+        [float(expected[0, 5]), float(expected[1, 0]), float(expected[2, 49])]
+    )
+    assert [len(v.top_token_ids) for v in values] == [2, 0, 4]
+    assert list(values[2].top_token_ids) == expected[2].topk(4).indices.tolist()
+    assert values[2].top_logprobs == pytest.approx(expected[2].topk(4).values.tolist())
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21, 1.5])
+def test_logprobs_out_of_range_is_rejected(logprobs):
+    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+        SamplingParams(logprobs=logprobs)

@@ -245,3 +245,23 @@ def test_no_new_admission_while_a_swapped_request_waits_even_if_the_newcomer_wou
             assert newcomer.request_id not in {s.request_id for s in output.scheduled}
     assert newcomer.is_finished
     assert victim.is_finished
+
+
+def test_phase_follows_a_request_through_queue_chunks_decode_and_swap():
+    scheduler = make_scheduler(
+        num_blocks=8, num_host_blocks=8, max_num_batched_tokens=8, preemption_mode=PreemptionMode.SWAP
+    )
+    long_prompt, waiting = make_request(prompt_len=12, max_tokens=8), make_request(prompt_len=12, max_tokens=8)
+    scheduler.add_request(long_prompt)
+    scheduler.add_request(waiting)
+    assert (long_prompt.phase, waiting.phase) == ("queued", "queued")
+    fake_step(scheduler)  # 8 of 12 prompt tokens
+    assert (long_prompt.phase, waiting.phase) == ("prefill", "queued")
+    fake_step(scheduler)  # the last 4 and the first token; the other request starts its prompt
+    assert (long_prompt.phase, waiting.phase) == ("decode", "prefill")
+    # Each needs 5 of the 8 blocks by the end: the newer one is swapped out on the way.
+    while not scheduler.swapped:
+        fake_step(scheduler)
+    assert (long_prompt.phase, waiting.phase) == ("decode", "swapped")
+    run_to_completion(scheduler)
+    assert (long_prompt.phase, waiting.phase) == ("finished", "finished")

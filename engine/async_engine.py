@@ -1,0 +1,404 @@
+"""The engine loop in a background thread, and one async stream of outputs per request.
+
+    event loop (HTTP)                          engine thread
+    -----------------                          -------------
+    submit(): validate, admit, inbox += add    loop: take the inbox (adds, aborts) ->
+    abort():  inbox += abort                         step() -> outputs ->
+    async for output in stream  <-- call_soon_threadsafe -- one batch of deliveries per iteration
+
+The engine (scheduler, block pools, model runner) is only touched by the engine
+thread; the event loop talks to it through the lock-protected inbox. A thread,
+not a process: torch releases the GIL in its kernels, so the HTTP side keeps
+answering during a step, and outputs cross as Python objects with no
+serialization; docs/benchmarks.md ("Serving overhead") measures what the HTTP
+side costs the engine.
+
+Back-pressure: a stream holds at most ``max_buffered_outputs`` outputs its
+consumer has not taken. A client that reads slower than the engine generates
+is aborted (finish reason ``abort``, logged, counted by phase) rather than
+paused: pausing would keep its KV blocks pinned for as long as the client
+dawdles, and the blocks are the scarce resource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.llm_engine import LLMEngine, Prompt
+from engine.metrics import EngineMetrics
+from engine.outputs import RequestOutput, SchedulerStats
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineFailure(Exception):
+    """A step raised: every request in flight ends with this error."""
+
+
+class AdmissionRefused(Exception):
+    """Admission control refused a request before it started; retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """None disables a limit."""
+
+    # Refuse when this many requests are already waiting.
+    max_waiting: int | None = None
+    # Refuse when the estimated wait before the first scheduled step exceeds this.
+    max_queue_delay_s: float | None = None
+    # Outputs a stream may hold undelivered before its request is aborted as a slow client.
+    max_buffered_outputs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_queue_delay_s is not None and self.max_queue_delay_s <= 0:
+            raise ValueError(f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
+        if self.max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Queue state as of the last loop iteration, published for the HTTP side."""
+
+    stats: SchedulerStats
+    num_waiting_tokens: int
+
+
+class RequestStream:
+    """One request's outputs in order; the engine thread fills it, one task consumes it."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self._queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
+        self.num_pushed = 0  # written by the engine thread only
+        self.num_taken = 0  # written by the consumer only
+        self.last_token_ts: float | None = None  # engine thread only
+        self.finished = False  # consumer side: the final output was taken
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def put(self, item: RequestOutput | EngineFailure) -> None:
+        """On the event loop only."""
+        self._queue.put_nowait(item)
+
+    @property
+    def num_undelivered(self) -> int:
+        return self.num_pushed - self.num_taken
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs up to and including the finished one; raises ``EngineFailure`` if the engine failed."""
+        while not self.finished:
+            item = await self._queue.get()
+            self.num_taken += 1
+            if isinstance(item, EngineFailure):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncEngine:
+    """Runs ``LLMEngine`` continuously in a thread; ``submit`` returns a ``RequestStream``.
+
+    ``pause`` freezes the loop between steps (nothing is taken from the inbox, no step
+    runs) and ``step`` lets a paused loop run a given number of iterations: the hooks a
+    fault injector or a test uses to wedge the engine or walk it step by step.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics, limits: AdmissionLimits | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.limits = limits or AdmissionLimits()
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, RequestStream | str]] = []  # ("add", stream) or ("abort", request_id)
+        self._streams: dict[str, RequestStream] = {}  # in flight, guarded by _cond
+        self._iterations_allowed: int | None = None  # None: free-running; n >= 0: n more, then freeze
+        self._stopping = False
+        self._engine_lock = threading.Lock()  # held while the engine thread touches the engine
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.num_iterations = 0
+        self.last_progress_ts = time.monotonic()
+        self.snapshot = EngineSnapshot(engine.stats(), 0)
+        metrics.observe_queues(self.snapshot.stats)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the loop after its current step; streams still in flight end with an ``EngineFailure``."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is None:
+            return
+        self._thread.join()
+        deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+        self._fail_all("the server is shutting down", deliveries)
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests (event loop side) -------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
+        """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded."""
+        request = self.engine.prepare_request(prompt, params, request_id)
+        self._check_admission()
+        stream = RequestStream(request)
+        with self._cond:
+            if not self._streams:
+                self.last_progress_ts = time.monotonic()  # the stall clock starts when work arrives
+            self._streams[request_id] = stream
+            self._inbox.append(("add", stream))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort in the next loop iteration (a no-op if the request has finished by then)."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def stalled_for_s(self) -> float:
+        """Seconds with requests in flight and no completed loop iteration; 0 when idle."""
+        return time.monotonic() - self.last_progress_ts if self._streams else 0.0
+
+    def estimated_queue_delay_s(self, num_waiting_tokens: int) -> float:
+        """Time to prefill what waits ahead, at the prefill throughput the engine measures as it runs."""
+        return num_waiting_tokens / self.engine.preemption_policy.prefill_tokens_per_s
+
+    def overload_reasons(self) -> list[str]:
+        """Why a new request would be refused now; empty when it would be admitted."""
+        return [message for _, message in self._overloads()[0]]
+
+    def _check_admission(self) -> None:
+        overloads, delay_s = self._overloads()
+        if overloads:
+            reason, message = overloads[0]
+            raise AdmissionRefused(f"server overloaded: {message}; retry later", reason, max(1, math.ceil(delay_s)))
+
+    def _overloads(self) -> tuple[list[tuple[str, str]], float]:
+        """(reason, message) for each admission limit the queue is at, and the estimated queue delay."""
+        limits = self.limits
+        with self._cond:
+            pending = [item for kind, item in self._inbox if kind == "add"]
+        num_waiting = self.snapshot.stats.num_waiting + len(pending)
+        waiting_tokens = self.snapshot.num_waiting_tokens + sum(s.request.num_prompt_tokens for s in pending)
+        delay_s = self.estimated_queue_delay_s(waiting_tokens)
+        overloads = []
+        if limits.max_waiting is not None and num_waiting >= limits.max_waiting:
+            overloads.append(("max_waiting", f"{num_waiting} requests are waiting (limit {limits.max_waiting})"))
+        if limits.max_queue_delay_s is not None and delay_s > limits.max_queue_delay_s:
+            overloads.append(
+                (
+                    "max_queue_delay",
+                    f"estimated queue time {delay_s:.1f} s exceeds the limit of {limits.max_queue_delay_s:g} s",
+                )
+            )
+        return overloads, delay_s
+
+    # ---- run-time control (admin) ---------------------------------------------------------------
+
+    def pause(self) -> None:
+        with self._cond:
+            self._iterations_allowed = 0
+        self.metrics.set_fault("engine_paused", True)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._iterations_allowed = None
+            self._cond.notify()
+        self.metrics.set_fault("engine_paused", False)
+
+    @property
+    def is_paused(self) -> bool:
+        return self._iterations_allowed is not None
+
+    async def step(self, num_iterations: int = 1) -> None:
+        """On a paused engine: run ``num_iterations`` loop iterations (inbox, then one step) and return after."""
+        with self._cond:
+            if self._iterations_allowed is None:
+                raise ValueError("the engine is not paused; pause it before stepping")
+            target = self.num_iterations + self._iterations_allowed + num_iterations
+            self._iterations_allowed += num_iterations
+            self._cond.notify()
+        while self.num_iterations < target and self.is_running:
+            await asyncio.sleep(0.002)
+
+    def describe(self) -> dict[str, object]:
+        """Pools, queues and every live request's phase; blocks until the current step ends (run it off-loop)."""
+        with self._engine_lock:
+            requests = {
+                request_id: {
+                    "phase": request.phase,
+                    "num_prompt_tokens": request.num_prompt_tokens,
+                    "num_computed_tokens": request.num_computed_tokens,
+                    "num_output_tokens": request.num_output_tokens,
+                    "max_tokens": request.sampling_params.max_tokens,
+                    "num_preemptions": request.num_preemptions,
+                }
+                for request_id, request in self.engine.scheduler.requests.items()
+            }
+            stats = self.engine.stats()
+        with self._cond:
+            pending = [(kind, item if isinstance(item, str) else item.request_id) for kind, item in self._inbox]
+        return {
+            "paused": self.is_paused,
+            "num_iterations": self.num_iterations,
+            "num_in_flight": self.num_in_flight,
+            "stats": dataclasses.asdict(stats),
+            "requests": requests,
+            "pending_adds": [request_id for kind, request_id in pending if kind == "add"],
+            "pending_aborts": [request_id for kind, request_id in pending if kind == "abort"],
+        }
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._iterate_until_stopped()
+        except BaseException:
+            # A bug outside step() (which has its own handler): /health reports the dead loop, and no stream hangs.
+            logger.exception("the engine loop died")
+            deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+            self._fail_all("the engine loop died", deliveries)
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+            raise
+
+    def _iterate_until_stopped(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._may_iterate():
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._inbox = self._inbox, []
+                if self._iterations_allowed:
+                    self._iterations_allowed -= 1
+            deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+            with self._engine_lock:
+                self._apply(commands, deliveries)
+                if self.engine.has_unfinished_requests():
+                    self._step(deliveries)
+                self._publish_snapshot()
+            self.last_progress_ts = time.monotonic()
+            self.num_iterations += 1
+            if deliveries:
+                self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _may_iterate(self) -> bool:
+        if self._iterations_allowed is not None:  # paused: only the iterations granted by step()
+            return self._iterations_allowed > 0
+        return bool(self._inbox) or self.engine.has_unfinished_requests()
+
+    def _apply(self, commands, deliveries) -> None:
+        for kind, item in commands:
+            if kind == "add":
+                self.engine.add_prepared_request(item.request)
+                self.metrics.observe_added(item.request)
+            else:
+                self._abort(item, "client", deliveries)
+
+    def _abort(self, request_id: str, reason: str, deliveries) -> None:
+        phase = self.engine.abort_request(request_id)
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+        if phase is None or stream is None:  # finished before the abort arrived
+            return
+        self.metrics.observe_abort(phase, reason)
+        self.metrics.observe_finished(stream.request, "abort", time.monotonic())
+        request = stream.request
+        final = RequestOutput(request_id, [], request.num_prompt_tokens, request.num_output_tokens, "abort")
+        deliveries.append((stream, final))
+
+    def _step(self, deliveries) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # any failure of a step ends the requests in flight, not the loop
+            logger.exception("engine step failed; ending every request in flight")
+            self._fail_all(f"engine step failed: {type(error).__name__}: {error}", deliveries)
+            return
+        if self.engine.last_step is not None:
+            self.metrics.observe_step(self.engine.last_step, self.engine.bytes_per_block)
+        now = time.monotonic()
+        for output in outputs:
+            with self._cond:
+                stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            self._deliver_output(stream, output, now, deliveries)
+
+    def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
+        if output.new_token_ids:
+            gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
+            self.metrics.observe_tokens(stream.request, len(output.new_token_ids), gap_s)
+            stream.last_token_ts = now
+        stream.num_pushed += 1
+        deliveries.append((stream, output))
+        if output.finished:
+            with self._cond:
+                self._streams.pop(output.request_id, None)
+            self.metrics.observe_finished(stream.request, output.finish_reason, now)
+        elif stream.num_undelivered > self.limits.max_buffered_outputs:
+            logger.warning(
+                "aborting %s: its client has not taken %d outputs (limit %d)",
+                stream.request_id,
+                stream.num_undelivered,
+                self.limits.max_buffered_outputs,
+            )
+            self._abort(stream.request_id, "slow_client", deliveries)
+
+    def _fail_all(self, message: str, deliveries) -> None:
+        with self._cond:
+            streams, self._streams = self._streams, {}
+        now = time.monotonic()
+        for stream in streams.values():
+            try:
+                self.engine.abort_request(stream.request_id)
+            except Exception:  # the engine is broken already
+                logger.exception("abort of %s after a failed step failed too", stream.request_id)
+            self.metrics.observe_finished(stream.request, "error", now)
+            deliveries.append((stream, EngineFailure(message)))
+
+    def _publish_snapshot(self) -> None:
+        stats = self.engine.stats()
+        waiting = self.engine.scheduler.waiting
+        self.snapshot = EngineSnapshot(stats, sum(r.num_tokens - r.num_computed_tokens for r in waiting))
+        self.metrics.observe_queues(stats)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:
+    """On the event loop: hand each output to its stream."""
+    for stream, item in deliveries:
+        stream.put(item)

@@ -1,0 +1,163 @@
+"""Prometheus metrics of the engine and server, under vLLM's names (plus ``kvstorm:`` series).
+
+The engine produces plain data (``StepStats``, ``SchedulerStats``, ``PreemptionEvent``,
+``Request`` timestamps); this module is the only one that knows Prometheus. Each
+``EngineMetrics`` owns its registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from engine.llm_engine import StepStats
+from engine.outputs import SchedulerStats
+from engine.request import Request
+
+# The latency thresholds the default SLOs use (seconds). Each must be a bucket boundary: a
+# quantile or "fraction under X" can only be read from a histogram at an existing `le`.
+DEFAULT_SLO_THRESHOLDS_S = {
+    "time_to_first_token": (0.2, 0.5, 1.0, 2.0, 5.0),
+    "inter_token_latency": (0.025, 0.05, 0.1, 0.2, 0.5),
+    "e2e_request_latency": (5.0, 10.0, 30.0, 60.0),
+    "request_queue_time": (0.5, 1.0, 5.0),
+}
+# 1 ms (a GPU decode step) to 10 minutes (a long CPU generation under preemption), roughly 1-2-5 steps.
+BASE_LATENCY_BUCKETS_S = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
+)  # fmt: skip
+PREEMPTIONS_PER_REQUEST_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
+BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ABORT_PHASES = ("queued", "prefill", "decode", "swapped")
+# "client": the client went away or cancelled; "slow_client": it left too many outputs unread (back-pressure).
+ABORT_REASONS = ("client", "slow_client")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def latency_buckets(extra_s: Iterable[float] = ()) -> tuple[float, ...]:
+    """The base buckets, every default SLO threshold and ``extra_s``, sorted and deduplicated."""
+    thresholds = [t for values in DEFAULT_SLO_THRESHOLDS_S.values() for t in values]
+    return tuple(sorted({*BASE_LATENCY_BUCKETS_S, *thresholds, *extra_s}))
+
+
+class EngineMetrics:
+    """Every series the server exports. Thread-safe (prometheus_client is); called from the engine thread."""
+
+    def __init__(self, model_name: str, extra_buckets_s: Iterable[float] = ()) -> None:
+        # No `*_created` series (as vLLM does): they double the exposition and no dashboard reads them.
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        buckets = latency_buckets(extra_buckets_s)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(name, doc, [*labels, *extra], registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, bucket_bounds: Iterable[float] = buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=tuple(bucket_bounds), registry=self.registry)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to host memory")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
+        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction of host swap blocks in use (0-1)")
+        self.free_blocks = gauge("kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
+        self.total_blocks = gauge("kvstorm:total_blocks", "KV blocks per pool", ("pool",))
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
+        self.preemptions = counter("kvstorm:preemptions", "Preemptions by mode and reason", ("mode", "reason"))
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
+        )
+        self.aborted_requests = counter(
+            "kvstorm:aborted_requests", "Aborted requests by the phase they hit and why", ("phase", "reason")
+        )
+        self.rejected_requests = counter("kvstorm:rejected_requests", "Requests refused before start", ("reason",))
+        self.swap_blocks = counter("kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
+        self.swap_bytes = counter("kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
+        self.active_faults = gauge("kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Gap between tokens of a request")
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish")
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled")
+        self.step_duration = histogram("kvstorm:step_duration_seconds", "Duration of one engine step")
+        self.swap_latency = histogram("kvstorm:swap_latency_seconds", "Block moves of one step that swapped")
+        self.batch_tokens = histogram("kvstorm:batch_tokens", "Tokens in one step's batch", BATCH_TOKEN_BUCKETS)
+        self.request_preemptions = histogram(
+            "kvstorm:request_preemptions", "Preemptions a request went through", PREEMPTIONS_PER_REQUEST_BUCKETS
+        )
+        # Series that exist from the start, at 0, so rate() and absent() work before the first event.
+        for reason in FINISH_REASONS:
+            self._labels(self.request_success, finished_reason=reason)
+        for phase in ABORT_PHASES:
+            for reason in ABORT_REASONS:
+                self._labels(self.aborted_requests, phase=phase, reason=reason)
+
+    def _labels(self, metric, **extra: str):
+        return metric.labels(model_name=self.model_name, **extra)
+
+    def observe_step(self, step: StepStats, bytes_per_block: int) -> None:
+        self._labels(self.step_duration).observe(step.duration_s)
+        self._labels(self.batch_tokens).observe(step.num_batched_tokens)
+        for direction, num_blocks in (("in", step.num_swapped_in_blocks), ("out", step.num_swapped_out_blocks)):
+            self._labels(self.swap_blocks, direction=direction).inc(num_blocks)
+            self._labels(self.swap_bytes, direction=direction).inc(num_blocks * bytes_per_block)
+        if step.num_swapped_in_blocks or step.num_swapped_out_blocks:
+            self._labels(self.swap_latency).observe(step.swap_s)
+        for event in step.preemptions:
+            self._labels(self.num_preemptions).inc()
+            self._labels(self.preemptions, mode=event.mode.value, reason=event.reason).inc()
+
+    def observe_added(self, request: Request) -> None:
+        self._labels(self.prompt_tokens).inc(request.num_prompt_tokens)
+
+    def observe_queues(self, stats: SchedulerStats) -> None:
+        self._labels(self.num_requests_running).set(stats.num_running)
+        self._labels(self.num_requests_waiting).set(stats.num_waiting)
+        self._labels(self.num_requests_swapped).set(stats.num_swapped)
+        for pool, free, total in (
+            ("device", stats.num_free_device_blocks, stats.num_device_blocks),
+            ("host", stats.num_free_host_blocks, stats.num_host_blocks),
+        ):
+            self._labels(self.free_blocks, pool=pool).set(free)
+            self._labels(self.total_blocks, pool=pool).set(total)
+        self._labels(self.kv_cache_usage).set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
+        self._labels(self.cpu_cache_usage).set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
+
+    def observe_tokens(self, request: Request, num_new_tokens: int, gap_s: float | None) -> None:
+        """New tokens of one request; ``gap_s`` is the time since its previous token (None for the first)."""
+        self._labels(self.generation_tokens).inc(num_new_tokens)
+        if gap_s is None:
+            self._labels(self.time_to_first_token).observe(request.first_token_ts - request.arrival_ts)
+        else:
+            self._labels(self.inter_token_latency).observe(gap_s)
+
+    def observe_finished(self, request: Request, finish_reason: str, finished_ts: float) -> None:
+        self._labels(self.request_success, finished_reason=finish_reason).inc()
+        self._labels(self.e2e_request_latency).observe(finished_ts - request.arrival_ts)
+        if request.first_scheduled_ts is not None:
+            self._labels(self.request_queue_time).observe(request.first_scheduled_ts - request.arrival_ts)
+        self._labels(self.request_preemptions).observe(request.num_preemptions)
+
+    def observe_abort(self, phase: str, reason: str) -> None:
+        self._labels(self.aborted_requests, phase=phase, reason=reason).inc()
+
+    def observe_rejected(self, reason: str) -> None:
+        self._labels(self.rejected_requests, reason=reason).inc()
+
+    def set_fault(self, fault: str, active: bool) -> None:
+        self._labels(self.active_faults, fault=fault).set(1 if active else 0)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _usage(num_free: int, num_total: int) -> float:
+    return (num_total - num_free) / num_total if num_total else 0.0

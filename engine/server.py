@@ -1,0 +1,419 @@
+"""The aiohttp app: OpenAI completions and chat (JSON or SSE), health, readiness, metrics, admin.
+
+Every refusal (bad input 400, unknown model 404, body too large 413, overload 429,
+engine down 503) happens before a stream starts, as OpenAI's error JSON. A stream
+that has started always ends with a finish reason (``stop``, ``length``, ``abort``)
+or an ``error`` event, and then ``data: [DONE]``.
+
+A client that goes away cancels its handler (the runner must be built with
+``handler_cancellation=True``); the handler's ``finally`` aborts its requests, and
+their blocks are free after the engine's next loop iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from engine.admin import admin_routes
+from engine.async_engine import AdmissionRefused, AsyncEngine, EngineFailure, RequestStream
+from engine.outputs import RequestOutput
+from engine.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    ReadyResponse,
+    api_error_from_validation,
+    openapi_document,
+)
+from engine.sampling_params import SamplingParams
+from engine.streaming import ChoiceAssembler, chat_chunk, completion_chunk, final_response, usage_of
+
+logger = logging.getLogger(__name__)
+ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
+SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    max_body_bytes: int = 1 << 20
+    stall_timeout_s: float = 30.0
+    # /admin/* exists only with a token.
+    admin_token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        if self.admin_token is not None and not self.admin_token:
+            raise ValueError("admin_token must not be empty")
+
+
+def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Application:
+    """The app; it starts the engine loop on startup and stops it on shutdown."""
+    app = web.Application(middlewares=[_error_middleware], client_max_size=config.max_body_bytes)
+    app[ASYNC_ENGINE] = async_engine
+    app[SERVER_CONFIG] = config
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    document = openapi_document(include_admin=config.admin_token is not None)
+
+    async def openapi(_: web.Request) -> web.Response:
+        return web.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
+    if config.admin_token is not None:
+        app.add_routes(admin_routes(async_engine, config.admin_token))
+
+    async def start_engine(app: web.Application) -> None:
+        app[ASYNC_ENGINE].start(asyncio.get_running_loop())
+
+    async def stop_engine(app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, app[ASYNC_ENGINE].shutdown)
+
+    app.on_startup.append(start_engine)
+    # On shutdown, not cleanup: the server waits for open handlers in between, and streams end only once the
+    # engine has ended them.
+    app.on_shutdown.append(stop_engine)
+    return app
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+_REJECTION_REASONS = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    500: "internal_error",
+    503: "engine_unavailable",
+}
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        rejection = error
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        error_type = "invalid_request_error" if error.status < 500 else "server_error"
+        # Keep what the status needs (Allow on 405), not the body's own content headers.
+        headers = {k: v for k, v in error.headers.items() if k.lower() not in ("content-type", "content-length")}
+        rejection = ApiError(error.status, error.text or error.reason, error_type=error_type, headers=headers)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        rejection = ApiError(500, "internal server error", error_type="server_error")
+    reason = rejection.reason or _REJECTION_REASONS.get(rejection.status, f"http_{rejection.status}")
+    request.app[ASYNC_ENGINE].metrics.observe_rejected(reason)
+    return error_response(rejection)
+
+
+async def _read_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.read()  # 413 (HTTPRequestEntityTooLarge) above client_max_size
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ApiError(400, f"request body is not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ApiError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise api_error_from_validation(error) from None
+
+
+# ---- completions ----------------------------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request, CompletionRequest)
+    async_engine = _check_model_and_engine(request, body.model)
+    prompts = body.prompts()
+    try:
+        params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    return await _generate(request, body, "cmpl", prompts, [params] * len(prompts), async_engine)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await _read_body(request, ChatCompletionRequest)
+    async_engine = _check_model_and_engine(request, body.model)
+    tokenizer = async_engine.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+    try:
+        prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        default_max_tokens = max(1, async_engine.engine.max_model_len - len(prompt_ids))
+        params = body.sampling_params(default_max_tokens)
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    return await _generate(request, body, "chatcmpl", [prompt_ids], [params], async_engine)
+
+
+def _check_model_and_engine(request: web.Request, model: str) -> AsyncEngine:
+    config = request.app[SERVER_CONFIG]
+    if model != config.served_model_name:
+        raise ApiError(404, f"model '{model}' does not exist; this server serves '{config.served_model_name}'", "model")
+    async_engine = request.app[ASYNC_ENGINE]
+    problem = _liveness_problem(async_engine, config)
+    if problem is not None:
+        raise ApiError(503, f"engine unavailable: {problem}", error_type="server_error", headers={"Retry-After": "5"})
+    return async_engine
+
+
+async def _generate(
+    request: web.Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    id_prefix: str,
+    prompts: Sequence[str | list[int]],
+    params_list: Sequence[SamplingParams],
+    async_engine: AsyncEngine,
+) -> web.StreamResponse:
+    response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
+    streams = _submit_all(async_engine, response_id, prompts, params_list)
+    tokenizer = async_engine.engine.tokenizer
+    assemblers = [ChoiceAssembler(tokenizer, p.stop) for p in params_list]
+    created = int(time.time())
+    model = request.app[SERVER_CONFIG].served_model_name
+    try:
+        if body.stream:
+            return await _stream(request, body, response_id, created, model, streams, assemblers)
+        async for index, output in _merge(streams):
+            assemblers[index].push(output)
+        return web.json_response(
+            final_response(body, response_id, created, model, assemblers).model_dump(exclude_none=False)
+        )
+    except EngineFailure as failure:  # non-streaming: nothing sent yet, so a plain error response
+        raise ApiError(500, str(failure), error_type="server_error") from None
+    finally:
+        for stream in streams:
+            if not stream.finished:
+                async_engine.abort(stream.request_id)
+
+
+def _submit_all(
+    async_engine: AsyncEngine,
+    response_id: str,
+    prompts: Sequence[str | list[int]],
+    params_list: Sequence[SamplingParams],
+) -> list[RequestStream]:
+    """All prompts or none: a refusal of one aborts those already queued."""
+    streams: list[RequestStream] = []
+    try:
+        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            streams.append(async_engine.submit(prompt, params, f"{response_id}-{index}"))
+    except (ValueError, AdmissionRefused) as error:
+        for stream in streams:
+            async_engine.abort(stream.request_id)
+        if isinstance(error, AdmissionRefused):
+            raise ApiError(
+                429,
+                str(error),
+                error_type="rate_limit_error",
+                headers={"Retry-After": str(error.retry_after_s)},
+                reason=error.reason,
+            ) from None
+        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), "prompt") from None
+    return streams
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams as they come; ``EngineFailure`` from any ends it."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | EngineFailure | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except EngineFailure as failure:
+            queue.put_nowait((index, failure))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, EngineFailure):
+                raise item
+            if item is None:
+                remaining -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(
+    request: web.Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    streams: Sequence[RequestStream],
+    assemblers: Sequence[ChoiceAssembler],
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Request-Id": ",".join(s.request_id for s in streams),
+        }
+    )
+    await response.prepare(request)
+
+    async def send(payload: dict | str) -> None:
+        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+        await response.write(f"data: {data}\n\n".encode())
+
+    try:
+        try:
+            await _send_chunks(send, body, response_id, created, model, streams, assemblers)
+        except EngineFailure as failure:
+            await send({"error": {"message": str(failure), "type": "engine_error", "param": None, "code": 500}})
+        await send("[DONE]")
+        await response.write_eof()
+    except ConnectionResetError:  # the client went away mid-write; the caller aborts its requests
+        logger.info("client of %s disconnected", response_id)
+    return response
+
+
+async def _send_chunks(
+    send,
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    streams: Sequence[RequestStream],
+    assemblers: Sequence[ChoiceAssembler],
+) -> None:
+    """One chunk per engine output (so one per token), the finish reason in the last; then usage if asked."""
+    is_chat = isinstance(body, ChatCompletionRequest)
+    include_usage = body.include_usage
+    if is_chat:
+        await send(
+            chat_chunk(response_id, created, model, 0, {"role": "assistant", "content": ""}, None, include_usage)
+        )
+    async for index, output in _merge(streams):
+        delta, logprobs = assemblers[index].push(output)
+        if is_chat:
+            chunk = chat_chunk(
+                response_id, created, model, index, {"content": delta}, output.finish_reason, include_usage
+            )
+        else:
+            chunk = completion_chunk(
+                response_id, created, model, index, delta, logprobs, output.finish_reason, include_usage
+            )
+        await send(chunk)
+    if include_usage:
+        object_name = "chat.completion.chunk" if is_chat else "text_completion"
+        usage = usage_of(assemblers).model_dump()
+        await send(
+            {
+                "id": response_id,
+                "object": object_name,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+        )
+
+
+# ---- probes and metrics ---------------------------------------------------------------------------
+
+
+def _liveness_problem(async_engine: AsyncEngine, config: ServerConfig) -> str | None:
+    if not async_engine.is_running:
+        return "the engine loop is not running"
+    stalled_s = async_engine.stalled_for_s()
+    if stalled_s > config.stall_timeout_s:
+        return (
+            f"no engine step for {stalled_s:.1f} s with {async_engine.num_in_flight} requests in flight "
+            f"(stall timeout {config.stall_timeout_s:g} s)"
+        )
+    return None
+
+
+async def _health(request: web.Request) -> web.Response:
+    async_engine = request.app[ASYNC_ENGINE]
+    problem = _liveness_problem(async_engine, request.app[SERVER_CONFIG])
+    status = "ok" if problem is None else "engine_stopped" if not async_engine.is_running else "stalled"
+    body = HealthResponse(
+        status=status, num_in_flight=async_engine.num_in_flight, stalled_for_s=round(async_engine.stalled_for_s(), 3)
+    )
+    return web.json_response(body.model_dump(), status=200 if problem is None else 503)
+
+
+async def _ready(request: web.Request) -> web.Response:
+    async_engine = request.app[ASYNC_ENGINE]
+    reasons = []
+    problem = _liveness_problem(async_engine, request.app[SERVER_CONFIG])
+    if problem is not None:
+        reasons.append(problem)
+    if async_engine.is_paused:
+        reasons.append("the engine is paused by an admin")
+    reasons.extend(async_engine.overload_reasons())
+    body = ReadyResponse(ready=not reasons, reasons=reasons)
+    return web.json_response(body.model_dump(), status=200 if not reasons else 503)
+
+
+async def _models(request: web.Request) -> web.Response:
+    config = request.app[SERVER_CONFIG]
+    engine = request.app[ASYNC_ENGINE].engine
+    card = ModelCard(id=config.served_model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+    return web.json_response(ModelList(data=[card]).model_dump())
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = request.app[ASYNC_ENGINE].metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+# ---- running it -----------------------------------------------------------------------------------
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen on ``host:port`` (0: any free port); returns the runner (``cleanup()`` stops it) and the port."""
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,176 @@
+"""From a request's token outputs to OpenAI choices: text deltas, stop-string hold-back, logprobs, chunks.
+
+A stop string may arrive split over several tokens; until the engine says whether
+it completes, the tail of the text that could be its beginning is held back, so
+a stop string never leaks into a stream::
+
+    stop = "\\n\\nQ:"     text so far = "... the answer.\\n\\n"
+                                          sent ---------^ held back: "\\n\\n"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+
+
+class ChoiceAssembler:
+    """One choice: the text sent so far, its logprobs, its finish reason and token counts."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = stop
+        self.decoded = ""  # everything decoded, including a held-back tail
+        self.num_sent = 0
+        self.logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[])
+        self.has_logprobs = False
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+
+    @property
+    def text(self) -> str:
+        return self.decoded[: self.num_sent]
+
+    def push(self, output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
+        """The text delta this output releases, and its tokens' logprobs if the request asked for them."""
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_output_tokens = output.num_output_tokens
+        self.finish_reason = output.finish_reason
+        for token_id in output.new_token_ids:
+            self.decoded += self.detokenizer.push(token_id) if self.detokenizer else ""
+        if isinstance(output.stop_reason, str) and output.finished:
+            end = self.decoded.find(output.stop_reason)
+        elif output.finished:
+            end = len(self.decoded)
+        else:
+            end = len(self.decoded) - self._partial_stop_length()
+        delta = self.decoded[self.num_sent : end] if end > self.num_sent else ""
+        self.num_sent = max(self.num_sent, end)
+        return delta, self._push_logprobs(output.logprobs)
+
+    def _partial_stop_length(self) -> int:
+        """Length of the longest tail of the text that is the beginning of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for length in range(min(len(stop) - 1, len(self.decoded)), longest, -1):
+                if self.decoded.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def _push_logprobs(self, values: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
+        if values is None:
+            return None
+        self.has_logprobs = True
+        delta = CompletionLogprobs(
+            tokens=[self._token_text(v.token_id) for v in values],
+            token_logprobs=[v.logprob for v in values],
+            top_logprobs=[
+                {self._token_text(t): lp for t, lp in zip(v.top_token_ids, v.top_logprobs, strict=True)} for v in values
+            ],
+        )
+        self.logprobs.tokens.extend(delta.tokens)
+        self.logprobs.token_logprobs.extend(delta.token_logprobs)
+        self.logprobs.top_logprobs.extend(delta.top_logprobs)
+        return delta
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def usage_of(choices: Sequence[ChoiceAssembler]) -> Usage:
+    prompt = sum(c.num_prompt_tokens for c in choices)
+    completion = sum(c.num_output_tokens for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def completion_chunk(
+    response_id: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    logprobs: CompletionLogprobs | None,
+    finish_reason: str | None,
+    include_usage: bool,
+) -> dict[str, Any]:
+    choice = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs.model_dump() if logprobs else None,
+        "finish_reason": finish_reason,
+    }
+    return _chunk(response_id, "text_completion", created, model, choice, include_usage)
+
+
+def chat_chunk(
+    response_id: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    include_usage: bool,
+) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _chunk(response_id, "chat.completion.chunk", created, model, choice, include_usage)
+
+
+def _chunk(
+    response_id: str, object_name: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
+) -> dict[str, Any]:
+    chunk = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = None  # only the last chunk carries usage
+    return chunk
+
+
+def final_response(
+    body: CompletionRequest | ChatCompletionRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    choices: Sequence[ChoiceAssembler],
+) -> CompletionResponse | ChatCompletionResponse:
+    usage = usage_of(choices)
+    if isinstance(body, ChatCompletionRequest):
+        return ChatCompletionResponse(
+            id=response_id,
+            created=created,
+            model=model,
+            choices=[
+                ChatChoice(index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
+                for i, c in enumerate(choices)
+            ],
+            usage=usage,
+        )
+    return CompletionResponse(
+        id=response_id,
+        created=created,
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=i, text=c.text, logprobs=c.logprobs if c.has_logprobs else None, finish_reason=c.finish_reason
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage,
+    )
