@@ -3,13 +3,15 @@
 Requests are validated by these pydantic models in strict mode (no "5" for 5, no
 true for 1) with unknown fields refused, and ``/openapi.json`` is generated from
 the same models, so the document describes exactly what the server accepts.
+OpenAI parameters that kvstorm does not implement (penalties, logit bias) are
+accepted at their neutral values only, since common clients send those by default.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import models_json_schema
 
 from engine.sampling_params import SamplingParams
@@ -50,6 +52,11 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=0, le=0, description="Not implemented: only 0 is accepted")
+    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Not implemented: only 0 is accepted")
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
+        None, description="Not implemented: only null or {} is accepted"
+    )
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -95,6 +102,15 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+
+    @model_validator(mode="after")
+    def _one_output_limit(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 class Usage(BaseModel):

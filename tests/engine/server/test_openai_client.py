@@ -170,3 +170,19 @@ def test_vllm_style_extra_parameters_reach_the_sampler(client, offline, real_tok
         model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
     )
     assert (to_the_end.choices[0].finish_reason, to_the_end.usage.completion_tokens) == ("length", 20)
+
+
+def test_newer_client_fields_are_understood(client, offline, real_tokenizer):
+    # Current clients send max_completion_tokens for chat, and some send the penalties at 0 by default.
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_completion_tokens=3,
+        temperature=0,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+    )
+    assert response.usage.completion_tokens == 3
+    assert response.choices[0].finish_reason == "length"
+    assert response.choices[0].message.content == offline(real_tokenizer.apply_chat_template(QUESTION), 3).text
