@@ -103,7 +103,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.preemption_policy, cache.watermark)
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
         self.last_step: StepStats | None = None
-        self._stop_checkers: dict[str, _StopStringChecker] = {}
+        # Per live request when the model has a tokenizer: the request and the detokenizer of its output.
+        self._detokenizers: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -166,15 +167,15 @@ class LLMEngine:
     def add_prepared_request(self, request: Request) -> None:
         """Queue a request made by ``prepare_request``; ``ValueError`` if its id is already in use."""
         self.scheduler.add_request(request)
-        if request.sampling_params.stop:
-            self._stop_checkers[request.request_id] = _StopStringChecker(self.tokenizer, request.sampling_params.stop)
+        if self.tokenizer is not None:
+            self._detokenizers[request.request_id] = (request, IncrementalDetokenizer(self.tokenizer))
 
     def abort_request(self, request_id: str) -> str | None:
         """Abort now: the request leaves its queue and its blocks are free before this returns.
 
         Returns the phase the abort hit (see ``Request.phase``), or None if the request is unknown or done.
         """
-        self._stop_checkers.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
         self.runner.release([request_id])
         request = self.scheduler.requests.get(request_id)
         phase = request.phase if request is not None else None
@@ -196,8 +197,12 @@ class LLMEngine:
                 replace(o, logprobs=(result.logprobs[o.request_id],)) if o.request_id in result.logprobs else o
                 for o in outputs
             ]
-        outputs = self._apply_stop_strings(outputs)
-        self.runner.release(o.request_id for o in outputs if o.finished)
+        if self._detokenizers:
+            outputs = [self._detokenize(o) for o in outputs]
+        finished = [o.request_id for o in outputs if o.finished]
+        self.runner.release(finished)
+        for request_id in finished:
+            self._detokenizers.pop(request_id, None)
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
         self._record(scheduler_output, time.perf_counter() - start, result.swap_s)
@@ -223,21 +228,21 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
         return prompt_ids
 
-    def _apply_stop_strings(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        if not self._stop_checkers:
-            return outputs
-        checked = []
-        for output in outputs:
-            checker = self._stop_checkers.get(output.request_id)
-            if checker is not None:
-                matched = checker.push(output.new_token_ids)
-                if matched is not None and not output.finished:
-                    self.scheduler.finish_request(output.request_id, RequestStatus.FINISHED_STOPPED, matched)
-                    output = replace(output, finish_reason=RequestStatus.FINISHED_STOPPED.value, stop_reason=matched)
-                if output.finished:
-                    del self._stop_checkers[output.request_id]
-            checked.append(output)
-        return checked
+    def _detokenize(self, output: RequestOutput) -> RequestOutput:
+        """Decode the output's new tokens once, for every consumer; end the request if a stop string appeared."""
+        request, detokenizer = self._detokenizers[output.request_id]
+        new_text = "".join(detokenizer.push(token_id) for token_id in output.new_token_ids)
+        stop = request.sampling_params.stop
+        # Text already searched cannot hold a match, except one that ends in the new text.
+        search_from = max(0, len(request.output_text) - max(map(len, stop), default=0) + 1)
+        request.output_text += new_text
+        output = replace(output, new_text=new_text)
+        found = [(pos, s) for s in stop if (pos := request.output_text.find(s, search_from)) >= 0]
+        if found and not output.finished:
+            matched = min(found)[1]
+            self.scheduler.finish_request(output.request_id, RequestStatus.FINISHED_STOPPED, matched)
+            output = replace(output, finish_reason=RequestStatus.FINISHED_STOPPED.value, stop_reason=matched)
+        return output
 
     def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float) -> None:
         num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
@@ -254,24 +259,6 @@ class LLMEngine:
             duration_s=duration_s,
             swap_s=swap_s,
         )
-
-
-class _StopStringChecker:
-    """Detokenizes one request's output and reports the first stop string that appears."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.stop = stop
-        self.longest = max(len(s) for s in stop)
-        self.text = ""
-
-    def push(self, token_ids: list[int]) -> str | None:
-        # Text already searched cannot hold a match, except one that ends in the new text.
-        search_from = max(0, len(self.text) - self.longest + 1)
-        for token_id in token_ids:
-            self.text += self.detokenizer.push(token_id)
-        found = [(pos, s) for s in self.stop if (pos := self.text.find(s, search_from)) >= 0]
-        return min(found)[1] if found else None
 
 
 @dataclass(frozen=True)
@@ -324,13 +311,13 @@ class LLM:
             for output in self.engine.step():
                 if output.finished:
                     final[output.request_id] = output
-        tokenizer = self.engine.tokenizer
+        has_text = self.engine.tokenizer is not None
         return [
             Completion(
                 request_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
                 token_ids=r.output_token_ids,
-                text=_visible_text(tokenizer, r) if tokenizer else None,
+                text=_visible_text(r) if has_text else None,
                 finish_reason=final[r.request_id].finish_reason,
                 stop_reason=r.stop_reason,
                 num_preemptions=r.num_preemptions,
@@ -339,9 +326,9 @@ class LLM:
         ]
 
 
-def _visible_text(tokenizer: Tokenizer, request: Request) -> str:
+def _visible_text(request: Request) -> str:
     """Decoded output, cut before the stop string that ended it."""
-    text = tokenizer.decode(request.output_token_ids)
+    text = request.output_text
     if isinstance(request.stop_reason, str):
         text = text[: text.find(request.stop_reason)]
     return text

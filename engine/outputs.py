@@ -94,6 +94,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # One entry per new token when the request asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The text the new tokens complete (empty while a character is still partial, or without a tokenizer).
+    new_text: str = ""
 
     @property
     def finished(self) -> bool:

@@ -42,6 +42,8 @@ class Request:
     # Token ids that end the request unless sampling_params.ignore_eos (the tokenizer's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
     output_token_ids: list[int] = field(default_factory=list)
+    # The output decoded so far (by the engine, when the model has a tokenizer), stop string included.
+    output_text: str = ""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.model.tokenizer import Tokenizer
 from engine.outputs import RequestOutput, TokenLogprobs
 from engine.protocol import (
     ChatChoice,
@@ -32,8 +32,7 @@ class ChoiceAssembler:
     """One choice: the text sent so far, its logprobs, its finish reason and token counts."""
 
     def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.tokenizer = tokenizer  # names the tokens of logprobs; the engine decodes the text
         self.stop = stop
         self.decoded = ""  # everything decoded, including a held-back tail
         self.num_sent = 0
@@ -52,8 +51,7 @@ class ChoiceAssembler:
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
         self.finish_reason = output.finish_reason
-        for token_id in output.new_token_ids:
-            self.decoded += self.detokenizer.push(token_id) if self.detokenizer else ""
+        self.decoded += output.new_text
         if isinstance(output.stop_reason, str) and output.finished:
             end = self.decoded.find(output.stop_reason)
         elif output.finished:
