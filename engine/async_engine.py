@@ -352,12 +352,11 @@ class AsyncEngine:
         if self.engine.last_step is not None:
             self.metrics.observe_step(self.engine.last_step, self.engine.bytes_per_block)
         now = time.monotonic()
-        for output in outputs:
-            with self._cond:
-                stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            self._deliver_output(stream, output, now, deliveries)
+        with self._cond:  # once per step, not per output
+            streams = [self._streams.get(output.request_id) for output in outputs]
+        for output, stream in zip(outputs, streams, strict=True):
+            if stream is not None:
+                self._deliver_output(stream, output, now, deliveries)
 
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
         if output.new_token_ids:

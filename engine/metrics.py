@@ -52,37 +52,47 @@ class EngineMetrics:
         self.model_name = model_name
         buckets = latency_buckets(extra_buckets_s)
         labels = ["model_name"]
+        bind = {"model_name": model_name}
 
-        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()) -> Gauge:
-            return Gauge(name, doc, [*labels, *extra], registry=self.registry)
+        # A series labelled by the model alone is bound once here: the engine thread updates several per token.
+        def gauge(name: str, doc: str):
+            return Gauge(name, doc, labels, registry=self.registry).labels(**bind)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+        def counter(name: str, doc: str):
+            return Counter(name, doc, labels, registry=self.registry).labels(**bind)
 
-        def histogram(name: str, doc: str, bucket_bounds: Iterable[float] = buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=tuple(bucket_bounds), registry=self.registry)
+        def histogram(name: str, doc: str, bucket_bounds: Iterable[float] = buckets):
+            return Histogram(name, doc, labels, buckets=tuple(bucket_bounds), registry=self.registry).labels(**bind)
+
+        def labelled(kind, name: str, doc: str, extra: tuple[str, ...]):
+            """A family with more labels than the model: children are picked per event with ``_labels``."""
+            return kind(name, doc, [*labels, *extra], registry=self.registry)
 
         self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch")
         self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
         self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to host memory")
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
         self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction of host swap blocks in use (0-1)")
-        self.free_blocks = gauge("kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
-        self.total_blocks = gauge("kvstorm:total_blocks", "KV blocks per pool", ("pool",))
+        self.free_blocks = labelled(Gauge, "kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
+        self.total_blocks = labelled(Gauge, "kvstorm:total_blocks", "KV blocks per pool", ("pool",))
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
-        self.preemptions = counter("kvstorm:preemptions", "Preemptions by mode and reason", ("mode", "reason"))
+        self.preemptions = labelled(
+            Counter, "kvstorm:preemptions", "Preemptions by mode and reason", ("mode", "reason")
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
-        self.request_success = counter(
-            "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
+        self.request_success = labelled(
+            Counter, "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
         )
-        self.aborted_requests = counter(
-            "kvstorm:aborted_requests", "Aborted requests by the phase they hit and why", ("phase", "reason")
+        self.aborted_requests = labelled(
+            Counter, "kvstorm:aborted_requests", "Aborted requests by the phase they hit and why", ("phase", "reason")
         )
-        self.rejected_requests = counter("kvstorm:rejected_requests", "Requests refused before start", ("reason",))
-        self.swap_blocks = counter("kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
-        self.swap_bytes = counter("kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
-        self.active_faults = gauge("kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
+        self.rejected_requests = labelled(
+            Counter, "kvstorm:rejected_requests", "Requests refused before start", ("reason",)
+        )
+        self.swap_blocks = labelled(Counter, "kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
+        self.swap_bytes = labelled(Counter, "kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
+        self.active_faults = labelled(Gauge, "kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Gap between tokens of a request")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish")
@@ -104,47 +114,47 @@ class EngineMetrics:
         return metric.labels(model_name=self.model_name, **extra)
 
     def observe_step(self, step: StepStats, bytes_per_block: int) -> None:
-        self._labels(self.step_duration).observe(step.duration_s)
-        self._labels(self.batch_tokens).observe(step.num_batched_tokens)
+        self.step_duration.observe(step.duration_s)
+        self.batch_tokens.observe(step.num_batched_tokens)
         for direction, num_blocks in (("in", step.num_swapped_in_blocks), ("out", step.num_swapped_out_blocks)):
             self._labels(self.swap_blocks, direction=direction).inc(num_blocks)
             self._labels(self.swap_bytes, direction=direction).inc(num_blocks * bytes_per_block)
         if step.num_swapped_in_blocks or step.num_swapped_out_blocks:
-            self._labels(self.swap_latency).observe(step.swap_s)
+            self.swap_latency.observe(step.swap_s)
         for event in step.preemptions:
-            self._labels(self.num_preemptions).inc()
+            self.num_preemptions.inc()
             self._labels(self.preemptions, mode=event.mode.value, reason=event.reason).inc()
 
     def observe_added(self, request: Request) -> None:
-        self._labels(self.prompt_tokens).inc(request.num_prompt_tokens)
+        self.prompt_tokens.inc(request.num_prompt_tokens)
 
     def observe_queues(self, stats: SchedulerStats) -> None:
-        self._labels(self.num_requests_running).set(stats.num_running)
-        self._labels(self.num_requests_waiting).set(stats.num_waiting)
-        self._labels(self.num_requests_swapped).set(stats.num_swapped)
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_swapped)
         for pool, free, total in (
             ("device", stats.num_free_device_blocks, stats.num_device_blocks),
             ("host", stats.num_free_host_blocks, stats.num_host_blocks),
         ):
             self._labels(self.free_blocks, pool=pool).set(free)
             self._labels(self.total_blocks, pool=pool).set(total)
-        self._labels(self.kv_cache_usage).set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
-        self._labels(self.cpu_cache_usage).set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
+        self.kv_cache_usage.set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
+        self.cpu_cache_usage.set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
 
     def observe_tokens(self, request: Request, num_new_tokens: int, gap_s: float | None) -> None:
         """New tokens of one request; ``gap_s`` is the time since its previous token (None for the first)."""
-        self._labels(self.generation_tokens).inc(num_new_tokens)
+        self.generation_tokens.inc(num_new_tokens)
         if gap_s is None:
-            self._labels(self.time_to_first_token).observe(request.first_token_ts - request.arrival_ts)
+            self.time_to_first_token.observe(request.first_token_ts - request.arrival_ts)
         else:
-            self._labels(self.inter_token_latency).observe(gap_s)
+            self.inter_token_latency.observe(gap_s)
 
     def observe_finished(self, request: Request, finish_reason: str, finished_ts: float) -> None:
         self._labels(self.request_success, finished_reason=finish_reason).inc()
-        self._labels(self.e2e_request_latency).observe(finished_ts - request.arrival_ts)
+        self.e2e_request_latency.observe(finished_ts - request.arrival_ts)
         if request.first_scheduled_ts is not None:
-            self._labels(self.request_queue_time).observe(request.first_scheduled_ts - request.arrival_ts)
-        self._labels(self.request_preemptions).observe(request.num_preemptions)
+            self.request_queue_time.observe(request.first_scheduled_ts - request.arrival_ts)
+        self.request_preemptions.observe(request.num_preemptions)
 
     def observe_abort(self, phase: str, reason: str) -> None:
         self._labels(self.aborted_requests, phase=phase, reason=reason).inc()

@@ -38,7 +38,7 @@ from engine.protocol import (
     openapi_document,
 )
 from engine.sampling_params import SamplingParams
-from engine.streaming import ChoiceAssembler, chat_chunk, completion_chunk, final_response, usage_of
+from engine.streaming import ChoiceAssembler, chat_chunk, completion_chunk, final_response, usage_chunk
 
 logger = logging.getLogger(__name__)
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
@@ -344,18 +344,7 @@ async def _send_chunks(
             )
         await send(chunk)
     if include_usage:
-        object_name = "chat.completion.chunk" if is_chat else "text_completion"
-        usage = usage_of(assemblers).model_dump()
-        await send(
-            {
-                "id": response_id,
-                "object": object_name,
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": usage,
-            }
-        )
+        await send(usage_chunk(response_id, is_chat, created, model, assemblers))
 
 
 # ---- probes and metrics ---------------------------------------------------------------------------

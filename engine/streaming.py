@@ -132,10 +132,21 @@ def chat_chunk(
     return _chunk(response_id, "chat.completion.chunk", created, model, choice, include_usage)
 
 
-def _chunk(
-    response_id: str, object_name: str, created: int, model: str, choice: dict[str, Any], include_usage: bool
+def usage_chunk(
+    response_id: str, is_chat: bool, created: int, model: str, choices: Sequence[ChoiceAssembler]
 ) -> dict[str, Any]:
-    chunk = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
+    """The last chunk of a stream that asked for usage: no choices, the token counts of all of them."""
+    object_name = "chat.completion.chunk" if is_chat else "text_completion"
+    chunk = _chunk(response_id, object_name, created, model, None, include_usage=True)
+    chunk["usage"] = usage_of(choices).model_dump()
+    return chunk
+
+
+def _chunk(
+    response_id: str, object_name: str, created: int, model: str, choice: dict[str, Any] | None, include_usage: bool
+) -> dict[str, Any]:
+    choices = [choice] if choice is not None else []
+    chunk = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices}
     if include_usage:
         chunk["usage"] = None  # only the last chunk carries usage
     return chunk
