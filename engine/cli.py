@@ -60,28 +60,29 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for random weights and unseeded sampling")
 
 
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
+    """The engine group's values as flat, JSON-able options (``EngineConfig.from_options``, ``LLM(**options)``)."""
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "max_model_len": args.max_model_len,
+        "block_size": args.block_size,
+        "kv_cache_memory": args.kv_cache_memory,
+        "swap_space": args.swap_space,
+        "watermark": args.watermark,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_chunked_prefill": not args.no_chunked_prefill,
+        "preemption_mode": args.preemption_mode,
+        "debug_invariants": args.debug_invariants,
+        "seed": args.seed,
+    }
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            swap_space=args.swap_space,
-            watermark=args.watermark,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_chunked_prefill=not args.no_chunked_prefill,
-            preemption_mode=PreemptionMode(args.preemption_mode),
-        ),
-        debug_invariants=args.debug_invariants,
-        seed=args.seed,
-    )
+    return EngineConfig.from_options(**engine_options_from_args(args))
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -138,20 +139,15 @@ def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> No
     parser = bench_subparsers.add_parser(
         "offline", help="w1-throughput: kvstorm vs transformers static and continuous batching, one run"
     )
+    add_engine_arguments(parser)
     parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="the transformers peers need the default model")
-    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--attention-backend", choices=BACKENDS, default="auto")
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default="4GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes ('' for none)")
     parser.add_argument(
         "--no-continuous", action="store_true", help="skip transformers' continuous batching (the slowest peer)"
     )
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per system before it is killed")
     parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    parser.set_defaults(kv_cache_memory=parse_bytes("4GiB"), swap_space=0)
 
 
 def run_bench_offline(args: argparse.Namespace) -> BenchReport:
@@ -161,16 +157,7 @@ def run_bench_offline(args: argparse.Namespace) -> BenchReport:
             f"the transformers peers run {PEER_MODEL} only; with --model {args.model} pass "
             "--static-batch-sizes '' --no-continuous"
         )
-    options = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": args.device,
-        "attention_backend": args.attention_backend,
-        "kv_cache_memory": args.kv_cache_memory,
-        "swap_space": 0,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-    }
+    options = engine_options_from_args(args)
     report = run_offline_bench(
         num_requests=args.num_requests,
         kvstorm_options=options,

@@ -67,3 +67,17 @@ class EngineConfig:
     # Check every block-pool invariant after every step (slow; for tests and debugging).
     debug_invariants: bool = False
     seed: int = 0
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """From flat keyword options (``block_size=16, max_num_seqs=64, ...``), each routed to its dataclass."""
+        cache_fields = set(CacheConfig.__dataclass_fields__)
+        scheduler_fields = set(SchedulerConfig.__dataclass_fields__)
+        unknown = set(options) - cache_fields - scheduler_fields - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        return cls(
+            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_fields}),
+            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_fields}),
+            **{k: v for k, v in options.items() if k not in cache_fields | scheduler_fields},
+        )

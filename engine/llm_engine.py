@@ -16,7 +16,7 @@ import torch
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.attention.selector import make_attention_backend
 from engine.block_pool import BlockPool
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import resolve_device, resolve_dtype, resolve_model
@@ -282,18 +282,7 @@ class LLM:
         loaded_model: LlamaForCausalLM | None = None,
         **options: object,
     ) -> None:
-        cache_fields = set(CacheConfig.__dataclass_fields__)
-        scheduler_fields = set(SchedulerConfig.__dataclass_fields__)
-        unknown = set(options) - cache_fields - scheduler_fields - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine options: {sorted(unknown)}")
-        config = EngineConfig(
-            model=model,
-            cache=CacheConfig(**{k: v for k, v in options.items() if k in cache_fields}),
-            scheduler=SchedulerConfig(**{k: v for k, v in options.items() if k in scheduler_fields}),
-            **{k: v for k, v in options.items() if k not in cache_fields | scheduler_fields},
-        )
-        self.engine = LLMEngine(config, tokenizer, loaded_model)
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options), tokenizer, loaded_model)
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]
