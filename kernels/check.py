@@ -79,10 +79,6 @@ def dense_float64(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
-def _context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    return cache[table].flatten(0, 1)[:seq_len]
-
-
 def check_reshape_and_cache(
     device: str, dtype: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> CheckResult:
@@ -114,32 +110,24 @@ def check_decode(
     block_size: int,
     **kernel_options: int,
 ) -> CheckResult:
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5
-    k_cache, v_cache = layer_views(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, device)
+    k_cache, v_cache, tables = _paged_contexts(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
     lens = torch.tensor(seq_lens, device=device)
     q = torch.randn(len(seq_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, **kernel_options)
     reference = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, scale)
-    error_vs_float64 = max(
-        relative_error(
-            out[i : i + 1], dense_float64(q[i : i + 1], *(_context(c, tables[i], n) for c in (k_cache, v_cache)), scale)
-        )
-        for i, n in enumerate(seq_lens)
-    )
-    error = relative_error(out, reference)
-    bound = RELATIVE_ERROR_BOUNDS[dtype]
-    case = _describe(
+    one_query_each = list(range(len(seq_lens) + 1))
+    return _attention_result(
+        "paged_decode_attention",
+        dtype,
+        relative_error(out, reference),
+        _error_vs_float64(out, q, one_query_each, k_cache, v_cache, tables, seq_lens, scale),
         heads=f"{num_heads}/{num_kv_heads}",
         head_dim=head_dim,
         block_size=block_size,
         seq_lens=_summary(seq_lens),
         **kernel_options,
-    )
-    return CheckResult(
-        "paged_decode_attention", case, str(dtype), error, error_vs_float64, bound, max(error, error_vs_float64) < bound
     )
 
 
@@ -154,55 +142,65 @@ def check_prefill(
     **kernel_options: int,
 ) -> CheckResult:
     """``chunks``: (cached prefix, new tokens) per sequence."""
-    query_lens = [new for _, new in chunks]
     seq_lens = [prefix + new for prefix, new in chunks]
-    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    k_cache, v_cache = layer_views(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-    tables = random_block_tables(seq_lens, block_size, num_blocks, device)
+    k_cache, v_cache, tables = _paged_contexts(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
     starts = [0]
-    for query_len in query_lens:
-        starts.append(starts[-1] + query_len)
+    for _, new in chunks:
+        starts.append(starts[-1] + new)
     q = torch.randn(starts[-1], num_heads, head_dim, device=device).to(dtype)
     scale = head_dim**-0.5
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        tables,
-        torch.tensor(starts, device=device),
-        torch.tensor(seq_lens, device=device),
-        scale,
-        max(query_lens),
-    )
+    max_query_len = max(new for _, new in chunks)
+    lens = torch.tensor(seq_lens, device=device)
+    args = (q, k_cache, v_cache, tables, torch.tensor(starts, device=device), lens, scale, max_query_len)
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(*args, out=out, **kernel_options)
-    error = relative_error(out, paged_prefill_attention_reference(*args))
-    error_vs_float64 = max(
-        relative_error(
-            out[starts[i] : starts[i + 1]],
-            dense_float64(
-                q[starts[i] : starts[i + 1]], *(_context(c, tables[i], n) for c in (k_cache, v_cache)), scale
-            ),
-        )
-        for i, n in enumerate(seq_lens)
-    )
-    bound = RELATIVE_ERROR_BOUNDS[dtype]
-    case = _describe(
+    return _attention_result(
+        "paged_prefill_attention",
+        dtype,
+        relative_error(out, paged_prefill_attention_reference(*args)),
+        _error_vs_float64(out, q, starts, k_cache, v_cache, tables, seq_lens, scale),
         heads=f"{num_heads}/{num_kv_heads}",
         head_dim=head_dim,
         block_size=block_size,
         chunks=_summary(chunks),
         **kernel_options,
     )
-    return CheckResult(
-        "paged_prefill_attention",
-        case,
-        str(dtype),
-        error,
-        error_vs_float64,
-        bound,
-        max(error, error_vs_float64) < bound,
-    )
+
+
+def _paged_contexts(
+    seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches with a few spare blocks, and random block tables for contexts of ``seq_lens``."""
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 4
+    k_cache, v_cache = layer_views(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    return k_cache, v_cache, random_block_tables(seq_lens, block_size, num_blocks, device)
+
+
+def _error_vs_float64(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    query_start_loc: list[int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: list[int],
+    scale: float,
+) -> float:
+    """The worst sequence's error against causal attention in float64 over its own context."""
+    errors = []
+    for i, seq_len in enumerate(seq_lens):
+        rows = slice(query_start_loc[i], query_start_loc[i + 1])
+        keys, values = (c[tables[i]].flatten(0, 1)[:seq_len] for c in (k_cache, v_cache))
+        errors.append(relative_error(out[rows], dense_float64(q[rows], keys, values, scale)))
+    return max(errors)
+
+
+def _attention_result(
+    kernel: str, dtype: torch.dtype, error: float, error_vs_float64: float, **description: object
+) -> CheckResult:
+    bound = RELATIVE_ERROR_BOUNDS[dtype]
+    passed = max(error, error_vs_float64) < bound
+    return CheckResult(kernel, _describe(**description), str(dtype), error, error_vs_float64, bound, passed)
 
 
 def check_copy_blocks(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.check import dense_float64
 from kernels.cpu_decode_attention import paged_decode_attention_cpu
 from kernels.reference import paged_decode_attention_reference
 
@@ -24,16 +25,13 @@ def make_case(seed: int, num_seqs: int, num_heads: int, num_kv_heads: int, block
     return q, k_cache, v_cache, block_tables, seq_lens, head_dim**-0.5
 
 
-def dense_float64(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def dense_float64_decode(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Each sequence's one query over its context, in float64."""
     outputs = []
     for i, seq_len in enumerate(seq_lens.tolist()):
-        keys = k_cache[block_tables[i]].flatten(0, 1)[:seq_len].double()
-        values = v_cache[block_tables[i]].flatten(0, 1)[:seq_len].double()
-        group = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-        weights = (torch.einsum("hd,shd->hs", q[i].double(), keys) * scale).softmax(dim=-1)
-        outputs.append(torch.einsum("hs,shd->hd", weights, values))
-    return torch.stack(outputs)
+        keys, values = (c[block_tables[i]].flatten(0, 1)[:seq_len] for c in (k_cache, v_cache))
+        outputs.append(dense_float64(q[i : i + 1], keys, values, scale))
+    return torch.cat(outputs)
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2), (32, 8)])
@@ -44,7 +42,7 @@ def test_cpu_kernel_matches_reference_and_float64(num_heads, num_kv_heads, block
         seed, num_seqs=5, num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size, max_len=90
     )
     out = paged_decode_attention_cpu(*case)
-    expected = dense_float64(*case)
+    expected = dense_float64_decode(*case)
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5), (out.double() - expected).abs().max()
     assert torch.allclose(out, paged_decode_attention_reference(*case), rtol=1e-5, atol=1e-5)
 

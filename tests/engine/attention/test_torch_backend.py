@@ -7,22 +7,11 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from kernels.check import dense_float64
 from kernels.cpu_decode_attention import paged_decode_attention_cpu
 from kernels.reference import paged_decode_attention_reference
 
 DECODE_KERNELS = {"reference": paged_decode_attention_reference, "cpu": paged_decode_attention_cpu}
-
-
-def dense_causal_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [Q, H, D] at the last Q positions of keys/values [S, KVH, D]; float64, GQA by repetition."""
-    q, keys, values = q.double(), keys.double(), values.double()
-    group = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,shd->hqs", q, keys) * scale
-    query_len, seq_len = q.shape[0], keys.shape[0]
-    query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
-    return torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), values)
 
 
 def random_mixed_batch(generator: torch.Generator, num_seqs: int) -> list[tuple[int, int]]:
@@ -65,7 +54,7 @@ def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_
         new_values.append(values[cached:])
         slots.extend(slot_of[cached:])
         block_tables.append(blocks)
-        expected.append(dense_causal_reference(q, keys, values, scale))
+        expected.append(dense_float64(q, keys, values, scale))
 
     metadata = AttentionMetadata.build(
         [q for _, q in shapes], [s for s, _ in shapes], slots, block_tables, block_size, torch.device("cpu")
