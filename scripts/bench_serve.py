@@ -4,11 +4,11 @@ Both run in child processes with the same engine options, the offline engine
 first and last with the server between (this machine's speed drifts; the ratio
 uses the faster offline run, so drift cannot flatter the server). The offline
 engine steps with every request submitted at once; the server gets all requests
-at once as concurrent streams from this process (aiohttp), and its throughput is
-output tokens over the time from the first send to the last [DONE]. The ratio
+at once as concurrent streams from the load generator (loadgen, greedy, exact
+output lengths, every stream checked), and its throughput is output tokens over
+the time from the first send to the last [DONE]. The ratio
 says what the HTTP side costs the engine (the engine loop runs in a thread of
-the server process). A small client until `kvstorm bench serve` exists. Writes
-the "serving-overhead" section of docs/benchmarks.md.
+the server process). Writes the "serving-overhead" section of docs/benchmarks.md.
 
     .venv/bin/python scripts/bench_serve.py [--num-requests 64]
 """
@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import statistics
 import subprocess
 import sys
 import time
 
-import aiohttp
-
 from engine.bench_offline import w1_throughput
 from engine.bench_process import run_child
 from kvstorm.benchdoc import update_section
+from loadgen.analysis import LatencyStats, Summary, summarize
+from loadgen.client import StreamingClient
+from loadgen.records import Outcome
+from loadgen.runner import run_open_loop
+from loadgen.workloads import PlannedRequest
 
 ENGINE_ARGS = ["--model", "smollm2-135m", "--kv-cache-memory", "4GiB", "--swap-space", "0", "--max-num-seqs", "256"]
 OFFLINE_SCRIPT = """
@@ -45,34 +46,25 @@ def run_offline(num_requests: int) -> float:
     return result["output_tokens"] / result["elapsed_s"]
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Arrival times of each token chunk, relative to the send."""
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    body |= {"ignore_eos": True, "stream": True}
-    start = time.perf_counter()
-    arrivals = []
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        async for line in response.content:
-            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                arrivals.append(time.perf_counter() - start)
-    if len(arrivals) != max_tokens:
-        raise RuntimeError(f"expected {max_tokens} chunks, got {len(arrivals)}")
-    return arrivals
-
-
-async def run_streams(url: str, num_requests: int) -> tuple[float, list[list[float]]]:
+async def run_streams(url: str, num_requests: int) -> Summary:
+    """All of w1 at once through the load generator (greedy, exact output lengths, every stream checked)."""
     workload = w1_throughput(num_requests)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        start = time.perf_counter()
-        streams = await asyncio.gather(
-            *(stream_one(session, url, p, n) for p, n in zip(workload.prompts, workload.output_lens, strict=True))
-        )
-        elapsed = time.perf_counter() - start
-    return workload.num_output_tokens / elapsed, streams
+    plan = [
+        PlannedRequest(index=i, offset_s=0.0, path="/v1/completions", body={"prompt": prompt}, max_tokens=max_tokens)
+        for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+    ]
+    client = StreamingClient(
+        url, "smollm2-135m", request_timeout_s=3600, stall_timeout_s=3600, extra_body={"temperature": 0}
+    )
+    async with client:
+        records, timing = await run_open_loop(plan, client)
+    broken = [r for r in records if r.outcome is not Outcome.OK]
+    if broken:
+        raise RuntimeError(f"{len(broken)} of {num_requests} streams failed, e.g. {broken[0].error}")
+    return summarize(records, timing.duration_s)
 
 
-def run_served(num_requests: int) -> tuple[float, list[list[float]]]:
+def run_served(num_requests: int) -> Summary:
     server = subprocess.Popen(
         [sys.executable, "-m", "kvstorm", "serve", *ENGINE_ARGS, "--port", "0"], stderr=subprocess.PIPE, text=True
     )
@@ -84,9 +76,8 @@ def run_served(num_requests: int) -> tuple[float, list[list[float]]]:
         server.wait(60)
 
 
-def percentiles(values: list[float]) -> str:
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return " / ".join(f"{cuts[p - 1] * 1000:.0f}" for p in (50, 90, 99))
+def percentiles(stats: LatencyStats) -> str:
+    return " / ".join(f"{value * 1000:.0f}" for value in (stats.p50, stats.p90, stats.p99))
 
 
 def main() -> None:
@@ -95,11 +86,10 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
     offline_first = run_offline(args.num_requests)
-    served, streams = run_served(args.num_requests)
+    summary = run_served(args.num_requests)
+    served = summary.output_token_throughput
     offline_last = run_offline(args.num_requests)
     offline = max(offline_first, offline_last)
-    ttfts = [s[0] for s in streams]
-    gaps = [b - a for s in streams for a, b in itertools.pairwise(s)]
     markdown = (
         "## Serving overhead (`scripts/bench_serve.py`)\n\n"
         f"w1-throughput, {args.num_requests} requests as {args.num_requests} concurrent SSE streams through "
@@ -109,7 +99,7 @@ def main() -> None:
         f"| offline engine (first) | {offline_first:.1f} |\n| served (HTTP + SSE) | {served:.1f} |\n"
         f"| offline engine (last) | {offline_last:.1f} |\n\n"
         f"Served / faster offline run: **{served / offline:.0%}**. "
-        f"TTFT p50 / p90 / p99: {percentiles(ttfts)} ms; ITL p50 / p90 / p99: {percentiles(gaps)} ms "
+        f"TTFT p50 / p90 / p99: {percentiles(summary.ttft)} ms; ITL p50 / p90 / p99: {percentiles(summary.itl)} ms "
         "(all requests arrive at once, so TTFT includes the queue behind every other prompt).\n\n"
         f"Reproduce: `.venv/bin/python scripts/bench_serve.py --num-requests {args.num_requests}` "
         f"({time.strftime('%Y-%m-%d')})"
