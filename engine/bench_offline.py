@@ -25,6 +25,7 @@ import torch
 
 from engine.bench_process import run_child
 from engine.model.config import ModelConfig
+from kvstorm.benchdoc import BenchReport
 
 PEER_MODEL = "smollm2-135m"  # the transformers peers load this GGUF
 
@@ -240,13 +241,6 @@ def child_main(name: str, num_requests: int, kvstorm_options: dict, result_file:
     else:
         raise ValueError(f"unknown system {name!r}")
     result_file.write_text(json.dumps(result))
-
-
-@dataclass(frozen=True)
-class BenchReport:
-    markdown: str
-    data: dict
-    failures: list[str]  # systems that did not finish
 
 
 def run_offline_bench(

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from engine.async_engine import AdmissionLimits, AsyncEngine
 from engine.attention.selector import BACKENDS
-from engine.bench_offline import PEER_MODEL, BenchReport, run_offline_bench
+from engine.bench_offline import PEER_MODEL, run_offline_bench
 from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.model.tokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.server import ServerConfig, create_app, start_server
+from kvstorm.benchdoc import BenchReport
 
 ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -10,6 +11,16 @@ HEADER = (
     "# kvstorm benchmarks\n\n"
     "Measured numbers, each with the command that reproduces it. Sections are rewritten by their benchmark.\n"
 )
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """What a ``kvstorm bench`` subcommand returns: the markdown it prints and records, the raw numbers, and what
+    made the numbers meaningless (non-empty: exit 1, nothing recorded)."""
+
+    markdown: str
+    data: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
 
 
 def update_section(name: str, markdown: str, path: Path = DEFAULT_PATH) -> None:

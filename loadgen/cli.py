@@ -8,9 +8,9 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstorm.benchdoc import BenchReport
 from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import __doc__ as CAPACITY_DOC
@@ -20,15 +20,6 @@ from loadgen.report import write_report
 from loadgen.results import RunConfig, read_fault_windows
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
-
-
-@dataclass(frozen=True)
-class BenchReport:
-    """What ``kvstorm bench`` prints and records; ``failures`` (non-empty: exit 1, nothing recorded) name what made
-    the numbers meaningless, e.g. a run in which no request succeeded."""
-
-    markdown: str
-    failures: list[str] = field(default_factory=list)
 
 
 def _duration(text: str) -> float:
@@ -152,4 +143,5 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
     result.write(json_path)
     write_report(result, html_path, bucket_s=args.bucket)
     failures = [] if result.summary.outcomes[Outcome.OK] else ["no request succeeded"]
-    return BenchReport(f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`", failures)
+    markdown = f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`"
+    return BenchReport(markdown, failures=failures)
