@@ -3,8 +3,9 @@
 Transport-free: the asyncio client and the Locust user feed it the bytes they read and the monotonic time they read
 them. A token is one chunk that carries text (completions ``choices[0].text``, chat ``choices[0].delta.content``),
 even empty text (vLLM streams a token that ends inside a UTF-8 character as an empty chunk): one token per chunk, as
-kvstorm and vLLM stream. A chat role announcement and an empty chunk that only carries the finish reason are not
-tokens.
+kvstorm and vLLM stream. A chat role announcement is not a token. An empty chunk that carries the finish reason is
+ambiguous: vLLM and kvstorm send the last token that way when its text is empty, other servers send it as a bare end
+marker; the server's usage decides (a token when usage counts one more token than the other chunks).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class StreamTracker:
         self.done_ts: float | None = None
         self.problems: list[str] = []
         self._parser = SseParser()
+        self._empty_finish_ts: float | None = None
 
     @property
     def last_token_ts(self) -> float | None:
@@ -81,8 +83,10 @@ class StreamTracker:
         text = choice["text"] if "text" in choice else delta.get("content")
         reason = choice.get("finish_reason")
         # Empty text still counts (vLLM sends a token that ends inside a UTF-8 character as an empty chunk), unless
-        # the chunk only announces the role or the finish. TGI repeats the role in every delta: text decides there.
-        if isinstance(text, str) and (text or ("role" not in delta and reason is None)):
+        # the chunk only announces the role. TGI repeats the role in every delta: text decides there.
+        if text == "" and "role" not in delta and reason is not None:
+            self._empty_finish_ts = now_ts  # a token or a bare end marker: the usage decides at the end
+        elif isinstance(text, str) and (text or "role" not in delta):
             if self.finish_reason is not None:
                 self._problem("token chunk after the finish reason")
             self.token_ts.append(now_ts)
@@ -98,12 +102,15 @@ class StreamTracker:
     def finish(self, end_ts: float, transport_outcome: Outcome | None = None, error: str = "") -> RequestRecord:
         """The record. ``transport_outcome`` is what the transport already knows (rejected, timeout, a stall it cut
         off as broken); None means the stream reached EOF and the stream's content decides."""
+        usage_tokens = self.usage.get("completion_tokens") if self.usage else None
+        if self._empty_finish_ts is not None and usage_tokens == len(self.token_ts) + 1:
+            self.token_ts.append(self._empty_finish_ts)
+            self._empty_finish_ts = None
         outcome, reasons = transport_outcome, [error] if error else []
         if transport_outcome is None:
             reasons = self._end_of_stream_problems()
             outcome = Outcome.BROKEN_STREAM if reasons else Outcome.OK
         delivered = len(self.token_ts)
-        usage_tokens = self.usage.get("completion_tokens") if self.usage else None
         end_ts = self.done_ts if (outcome is Outcome.OK and self.done_ts is not None) else end_ts
         return RequestRecord(
             index=self.index,

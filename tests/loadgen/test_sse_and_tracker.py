@@ -133,6 +133,18 @@ def test_what_counts_as_a_token():
     assert record.ttft_s == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize(("usage_tokens", "delivered"), [(2, 2), (3, 3)])
+def test_the_usage_decides_whether_an_empty_finish_chunk_is_a_token(usage_tokens, delivered):
+    """vLLM and kvstorm send a last token whose text is empty together with the finish reason; other servers end
+    with a bare empty chunk. Either way the stream is whole, and its token count agrees with the usage."""
+    usage = f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': usage_tokens}})}\n\n".encode()
+    record = run([(10.1, completion("a")), (10.2, completion("b")), (10.3, completion("", "length") + usage + DONE)])
+    assert record.outcome is Outcome.OK, record.error
+    assert record.delivered_tokens == record.output_tokens == delivered
+    assert len(record.itl_s) == delivered - 1
+    assert record.e2e_s == pytest.approx(0.3)
+
+
 def test_a_gap_longer_than_the_stall_timeout_breaks_the_stream():
     chunks = [(10.1, completion("a")), (11.7, completion("b", "stop") + DONE)]
     assert run(chunks, stall_timeout_s=2.0).outcome is Outcome.OK
