@@ -1,8 +1,9 @@
 """A fake OpenAI-compatible server whose streams follow a script with known timing (the yardstick of the client).
 
 Each request gets a script from its arrival order at the server: first token ``ttft_ms`` after the request arrived
-(plus ``order * slowdown_ms``, for servers that get slower and slower), then one token every ``gap_ms``. Sleeps aim
-at absolute times, so lateness never accumulates, and the server stamps every token with ``time.perf_counter()``
+(when its first bytes were read, or its connection accepted; not when aiohttp got round to the handler), plus
+``order * slowdown_ms`` for servers that get slower and slower, then one token every ``gap_ms``. Sleeps aim at
+absolute times, so lateness never accumulates, and the server stamps every token with ``time.perf_counter()``
 right after handing it to the socket, on the same clock as the client: ``GET /script-log`` returns those stamps,
 so a test can compare what the client measured with what the server really did, not only with what it meant to do.
 
@@ -108,12 +109,13 @@ class ScriptedServer:
         app.router.add_get("/script-log", self.script_log)
         return app
 
-    async def script_log(self, _: web.Request) -> web.Response:
+    async def script_log(self, request: web.Request) -> web.Response:
+        _arrival_ts(request)  # taken, so that it cannot pass for the next request's on a kept-alive connection
         return web.json_response([asdict(log) for log in self.logs])
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        received_ts = time.perf_counter()
         body = await request.json()
+        received_ts = _arrival_ts(request)
         order = len(self.logs)
         fault = self.script.fault_for(order)
         stall_before = STALL_BEFORE_TOKEN.get(fault)
@@ -197,8 +199,13 @@ class _Framer:
         return f"data: [DONE]{self.newline}{self.newline}".encode()
 
 
+# asyncio rounds every wait up to a whole millisecond (epoll's unit), so a wake lands up to 1 ms after its target;
+# aiming half a millisecond early centres that error on the target instead.
+_WAIT_ROUNDING_S = 0.5e-3
+
+
 async def _sleep_until(target_ts: float) -> None:
-    delay_s = target_ts - time.perf_counter()
+    delay_s = target_ts - _WAIT_ROUNDING_S - time.perf_counter()
     if delay_s > 0:
         await asyncio.sleep(delay_s)
 
@@ -265,12 +272,53 @@ def main(argv: list[str] | None = None) -> None:
     asyncio.run(_serve(ScriptedServer(script), args.host, args.port))
 
 
+class _ArrivalStamping(asyncio.Protocol):
+    """aiohttp's connection protocol, wrapped to stamp when each request's first bytes arrive (the connection's
+    accept for its first request). The handler runs only after a trip through the event loop: under load that trip
+    alone is milliseconds, which a script anchored at the handler would add to every TTFT it claims."""
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self._inner = inner
+        self._arrival_ts: float | None = None
+
+    def take_arrival_ts(self) -> float | None:
+        arrival_ts, self._arrival_ts = self._arrival_ts, None
+        return arrival_ts
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._arrival_ts = time.perf_counter()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._arrival_ts is None:
+            self._arrival_ts = time.perf_counter()
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+
+def _arrival_ts(request: web.Request) -> float:
+    """When the request's first bytes arrived. Each handler takes it once the request is read whole, so bytes that
+    arrive later belong to the next request on the connection (pipelined requests, which share a read, get now)."""
+    arrival_ts = request.transport.get_protocol().take_arrival_ts()
+    return arrival_ts if arrival_ts is not None else time.perf_counter()
+
+
 async def _serve(server: ScriptedServer, host: str, port: int) -> None:
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound_port = runner.addresses[0][1]
+    listener = await asyncio.get_running_loop().create_server(lambda: _ArrivalStamping(runner.server()), host, port)
+    bound_port = listener.sockets[0].getsockname()[1]
     # A yardstick must not pause: no garbage-collector sweeps during a (bounded) run.
     gc.collect()
     gc.freeze()
