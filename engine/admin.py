@@ -6,6 +6,7 @@ The chaos harness drives these; they exist only when the server has an admin tok
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 
 from aiohttp import web
@@ -28,6 +29,26 @@ def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:
         # describe() waits for the step in progress: off the event loop.
         description = await asyncio.get_running_loop().run_in_executor(None, async_engine.describe)
         return web.json_response(description)
+
+    async def get_faults(_: web.Request) -> web.Response:
+        faults = await asyncio.get_running_loop().run_in_executor(None, async_engine.update_faults)
+        return web.json_response(faults)
+
+    async def set_faults(request: web.Request) -> web.Response:
+        """Body: a JSON object of the faults to change (``engine.faults.StepFaults``); answers with them all."""
+        try:
+            changes = await request.json()
+        except ValueError:
+            raise ApiError(400, "the body must be a JSON object of faults") from None
+        if not isinstance(changes, dict):
+            raise ApiError(400, "the body must be a JSON object of faults")
+        try:
+            faults = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(async_engine.update_faults, **changes)
+            )
+        except ValueError as error:
+            raise ApiError(400, str(error)) from None
+        return web.json_response(faults)
 
     async def pause(_: web.Request) -> web.Response:
         async_engine.pause()
@@ -52,4 +73,6 @@ def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:
         web.post("/admin/pause", authorized(pause)),
         web.post("/admin/resume", authorized(resume)),
         web.post("/admin/step", authorized(step)),
+        web.get("/admin/faults", authorized(get_faults)),
+        web.post("/admin/faults", authorized(set_faults)),
     ]

@@ -241,6 +241,15 @@ class AsyncEngine:
             self._cond.notify()
         self.metrics.set_fault("engine_paused", False)
 
+    def update_faults(self, **changes: object) -> dict[str, object]:
+        """Change the faults injected into the engine's steps (``engine.faults``; ``ValueError`` for a bad one;
+        no changes to read them); returns them all. Waits for the step in progress."""
+        with self._engine_lock:
+            faults = self.engine.runner.faults
+            faults.update(**changes)
+            self._publish_faults()
+            return dataclasses.asdict(faults)
+
     @property
     def is_paused(self) -> bool:
         return self._iterations_allowed is not None
@@ -359,6 +368,12 @@ class AsyncEngine:
                 self._deliver_output(stream, output, now, deliveries)
 
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
+        if output.finish_reason == "error":  # the engine gave up on this request alone
+            with self._cond:
+                self._streams.pop(output.request_id, None)
+            self.metrics.observe_finished(stream.request, "error", now)
+            deliveries.append((stream, EngineFailure(output.error or "the engine gave up on this request")))
+            return
         if output.new_token_ids:
             gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
             self.metrics.observe_tokens(stream.request, len(output.new_token_ids), gap_s)
@@ -395,6 +410,11 @@ class AsyncEngine:
         waiting = self.engine.scheduler.waiting
         self.snapshot = EngineSnapshot(stats, sum(r.num_tokens - r.num_computed_tokens for r in waiting))
         self.metrics.observe_queues(stats)
+        self._publish_faults()
+
+    def _publish_faults(self) -> None:
+        for fault, active in self.engine.runner.faults.active().items():
+            self.metrics.set_fault(fault, active)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -30,6 +31,8 @@ from engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -44,6 +47,8 @@ class StepStats:
     preemptions: tuple[PreemptionEvent, ...] = ()
     # Time spent moving blocks between the device and host pools.
     swap_s: float = 0.0
+    # The type of the error the step's forward pass raised (the step changed nothing, and the engine backs off).
+    error: str | None = None
 
 
 class LLMEngine:
@@ -188,9 +193,24 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. A failure of the forward pass (out of memory, say) fails no request by itself: the step
+        changed nothing, and the next steps are smaller until they succeed (``engine.step_back_off``)."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        result = self.runner.execute(scheduler_output)
+        swap_s = self.runner.move_blocks(scheduler_output)
+        try:
+            result = self.runner.execute(scheduler_output, swap_s)
+        except Exception as error:
+            logger.warning(
+                "step of %d requests, %d tokens failed (%s: %s); backing off",
+                len(scheduler_output.scheduled),
+                scheduler_output.num_batched_tokens,
+                type(error).__name__,
+                error,
+            )
+            outputs = self.scheduler.step_failed(scheduler_output, error)
+            self._end_step(scheduler_output, outputs, start, swap_s, type(error).__name__)
+            return outputs
         outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
         if result.logprobs:
             outputs = [
@@ -199,13 +219,7 @@ class LLMEngine:
             ]
         if self._detokenizers:
             outputs = [self._detokenize(o) for o in outputs]
-        finished = [o.request_id for o in outputs if o.finished]
-        self.runner.release(finished)
-        for request_id in finished:
-            self._detokenizers.pop(request_id, None)
-        if self.config.debug_invariants:
-            self.scheduler.check_invariants()
-        self._record(scheduler_output, time.perf_counter() - start, result.swap_s)
+        self._end_step(scheduler_output, outputs, start, swap_s)
         return outputs
 
     def stats(self) -> SchedulerStats:
@@ -244,10 +258,26 @@ class LLMEngine:
             output = replace(output, finish_reason=RequestStatus.FINISHED_STOPPED.value, stop_reason=matched)
         return output
 
-    def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float) -> None:
+    def _end_step(
+        self,
+        output: SchedulerOutput,
+        outputs: list[RequestOutput],
+        start: float,
+        swap_s: float,
+        error: str | None = None,
+    ) -> None:
+        finished = [o.request_id for o in outputs if o.finished]
+        self.runner.release(finished)
+        for request_id in finished:
+            self._detokenizers.pop(request_id, None)
+        if self.config.debug_invariants:
+            self.scheduler.check_invariants()
+        self._record(output, time.perf_counter() - start, swap_s, error)
+
+    def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float, error: str | None) -> None:
         num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
         self.preemption_log.extend(output.preemptions)
-        if num_prefill > output.num_batched_tokens // 2:
+        if error is None and num_prefill > output.num_batched_tokens // 2:
             self.preemption_policy.observe_prefill(output.num_batched_tokens, duration_s)
         self.last_step = StepStats(
             num_scheduled=len(output.scheduled),
@@ -258,6 +288,7 @@ class LLMEngine:
             preemptions=tuple(output.preemptions),
             duration_s=duration_s,
             swap_s=swap_s,
+            error=error,
         )
 
 
@@ -270,6 +301,8 @@ class Completion:
     finish_reason: str
     stop_reason: int | str | None
     num_preemptions: int
+    # Why the engine gave up on it (finish reason "error").
+    error: str | None = None
 
 
 class LLM:
@@ -310,6 +343,7 @@ class LLM:
                 finish_reason=final[r.request_id].finish_reason,
                 stop_reason=r.stop_reason,
                 num_preemptions=r.num_preemptions,
+                error=final[r.request_id].error,
             )
             for r in requests
         ]

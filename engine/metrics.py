@@ -93,6 +93,12 @@ class EngineMetrics:
         self.swap_blocks = labelled(Counter, "kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
         self.swap_bytes = labelled(Counter, "kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
         self.active_faults = labelled(Gauge, "kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
+        self.failed_steps = labelled(
+            Counter, "kvstorm:failed_steps", "Steps whose forward pass raised (the engine backs off)", ("error",)
+        )
+        self.batch_limit = labelled(
+            Gauge, "kvstorm:batch_limit", "Requests and tokens a step may take now (less while backing off)", ("of",)
+        )
         self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
         self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Gap between tokens of a request")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish")
@@ -114,6 +120,8 @@ class EngineMetrics:
         return metric.labels(model_name=self.model_name, **extra)
 
     def observe_step(self, step: StepStats, bytes_per_block: int) -> None:
+        if step.error is not None:
+            self._labels(self.failed_steps, error=step.error).inc()
         self.step_duration.observe(step.duration_s)
         self.batch_tokens.observe(step.num_batched_tokens)
         for direction, num_blocks in (("in", step.num_swapped_in_blocks), ("out", step.num_swapped_out_blocks)):
@@ -138,6 +146,8 @@ class EngineMetrics:
         ):
             self._labels(self.free_blocks, pool=pool).set(free)
             self._labels(self.total_blocks, pool=pool).set(total)
+        self._labels(self.batch_limit, of="requests").set(stats.max_num_seqs_now)
+        self._labels(self.batch_limit, of="tokens").set(stats.max_num_batched_tokens_now)
         self.kv_cache_usage.set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
         self.cpu_cache_usage.set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
 

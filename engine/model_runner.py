@@ -12,13 +12,15 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
+from engine.faults import StepFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.sampling import compute_logprobs, make_generator, sample
 
 
 class ModelRunner:
-    """Owns the model, the device KV cache, the host swap cache and each request's random stream."""
+    """Owns the model, the device KV cache, the host swap cache, each request's random stream, and the faults
+    injected into its steps."""
 
     def __init__(self, model: LlamaForCausalLM, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
         self.model = model
@@ -35,9 +37,10 @@ class ModelRunner:
             pin_memory=self.device.type == "cuda",
         )
         self._generators: dict[str, torch.Generator | None] = {}
+        self.faults = StepFaults()
 
-    def execute(self, output: SchedulerOutput) -> ExecuteResult:
-        """Run one step: the sampled token of every request that ``needs_sample``, logprobs where asked."""
+    def move_blocks(self, output: SchedulerOutput) -> float:
+        """The step's swaps and copies (before its forward pass); returns the seconds the swaps took."""
         start = time.perf_counter()
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
@@ -45,9 +48,16 @@ class ModelRunner:
             self._synchronize()
         swap_s = time.perf_counter() - start
         move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
+        return swap_s
+
+    def execute(self, output: SchedulerOutput, swap_s: float = 0.0) -> ExecuteResult:
+        """The step's forward pass, once its blocks are in place: the sampled token of every request that
+        ``needs_sample``, logprobs where asked. Raising leaves the cache as it was, but for K/V written into
+        slots of this step's new tokens, which a retry writes again."""
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
             return ExecuteResult({}, swap_s=swap_s)
+        self.faults.check(output)
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
         if not to_sample:  # every chunk was a partial prefill
             return ExecuteResult({}, swap_s=swap_s)

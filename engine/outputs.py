@@ -90,8 +90,10 @@ class RequestOutput:
     new_token_ids: list[int]
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str | None  # "stop", "length", "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
     stop_reason: int | str | None = None
+    # Why the engine gave up on the request (finish reason "error").
+    error: str | None = None
     # One entry per new token when the request asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] | None = None
     # The text the new tokens complete (empty while a character is still partial, or without a tokenizer).
@@ -112,3 +114,6 @@ class SchedulerStats:
     num_free_host_blocks: int
     num_host_blocks: int
     num_preemptions: int
+    # The batch a step may take now: the configured one, or less while backing off after failed steps.
+    max_num_seqs_now: int
+    max_num_batched_tokens_now: int

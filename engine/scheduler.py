@@ -14,6 +14,7 @@ three phases:
    watermark.
 
 The output is plain data (``SchedulerOutput``); the model runner executes it.
+After a step fails, the steps that follow are smaller (``engine.step_back_off``).
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from engine.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.outputs import PreemptionEvent, RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
 from engine.preemption import PreemptionPolicy
 from engine.request import Request, RequestStatus
+from engine.step_back_off import StepBackOff
 
 
 @dataclass
 class StepBudget:
-    """Tokens still to hand out in this step; each phase spends from it."""
+    """Tokens and batch seats still to hand out in this step; each phase spends from them."""
 
     tokens: int
+    seats: int
 
 
 class Scheduler:
@@ -61,6 +64,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.num_preemptions = 0
+        self.back_off = StepBackOff(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            # Unchunked, a prompt must fit one step: the token budget cannot shrink.
+            min_num_batched_tokens=1 if config.enable_chunked_prefill else config.max_num_batched_tokens,
+        )
         self._submissions = itertools.count()
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -94,7 +103,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
-        budget = StepBudget(self.config.max_num_batched_tokens)
+        limit = self.back_off.limit
+        budget = StepBudget(limit.max_num_batched_tokens, limit.max_num_seqs)
         self._schedule_running(budget, output)
         if not output.preemptions:
             self._schedule_swapped(budget, output)
@@ -102,8 +112,31 @@ class Scheduler:
                 self._schedule_waiting(budget, output)
         return output
 
+    def step_failed(self, output: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
+        """The step ``output`` raised ``error`` and changed nothing: back off, and end the one request the
+        back-off gives up on (if it does) with finish reason ``error``."""
+        if not self.back_off.on_failure(len(output.scheduled), output.num_batched_tokens):
+            return []
+        request = self.requests[output.scheduled[0].request_id]
+        message = (
+            f"the engine gave up on this request after {self.back_off.max_failures_alone} failed steps in which it "
+            f"ran alone; last error: {type(error).__name__}: {error}"
+        )
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return [
+            RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                finish_reason=RequestStatus.FINISHED_ERROR.value,
+                error=message,
+            )
+        ]
+
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         """Advance every scheduled request; append sampled tokens; finish and free what is done."""
+        self.back_off.on_success()
         now = time.monotonic()
         results = []
         for scheduled in output.scheduled:
@@ -140,13 +173,15 @@ class Scheduler:
             num_free_host_blocks=self.kv.host_pool.num_free_blocks,
             num_host_blocks=self.kv.host_pool.num_blocks,
             num_preemptions=self.num_preemptions,
+            max_num_seqs_now=self.back_off.limit.max_num_seqs,
+            max_num_batched_tokens_now=self.back_off.limit.max_num_batched_tokens,
         )
 
     # ---- phases -------------------------------------------------------------------------------
 
     def _schedule_running(self, budget: StepBudget, output: SchedulerOutput) -> None:
         index = 0
-        while index < len(self.running) and budget.tokens > 0:
+        while index < len(self.running) and budget.tokens > 0 and budget.seats > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, budget.tokens)
             if num_new == 0:
@@ -172,7 +207,7 @@ class Scheduler:
         output: SchedulerOutput,
     ) -> None:
         """Move requests from the head of ``queue`` into the batch while budget, seats and ``make_room`` allow."""
-        while queue and budget.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        while queue and budget.tokens > 0 and budget.seats > 0 and len(self.running) < self.config.max_num_seqs:
             request = queue[0]
             num_new = self._num_new_tokens(request, budget.tokens)
             if num_new == 0 or not make_room(request, request.num_computed_tokens + num_new, output):
@@ -224,6 +259,7 @@ class Scheduler:
             )
         )
         budget.tokens -= num_new
+        budget.seats -= 1
 
     def _preempt_newest(self, output: SchedulerOutput) -> Request:
         victim = self.running.pop()

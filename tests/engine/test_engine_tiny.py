@@ -94,3 +94,69 @@ def test_greedy_tokens_do_not_depend_on_preemption(mode):
         results.append([r.output_token_ids for r in requests])
     assert tight.scheduler.num_preemptions > 0
     assert results[0] == results[1]
+
+
+def run_to_completion(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
+    requests = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.finish_reason in (None, "length"), output.error
+    return [r.output_token_ids for r in requests]
+
+
+def test_a_step_that_runs_out_of_memory_changes_nothing_and_the_next_steps_are_smaller():
+    prompts = [list(range(1 + i, 10 + 2 * i)) for i in range(6)]
+    expected = run_to_completion(make_engine(num_blocks=64), prompts, 14)
+    engine = make_engine(num_blocks=64)
+    engine.runner.faults.update(oom_above_batched_tokens=12)  # the 6 prompts need 78 tokens in all
+    sizes = []
+    requests = [engine.add_request(p, greedy(14)) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+        sizes.append((engine.last_step.num_batched_tokens, engine.last_step.error))
+    assert [r.output_token_ids for r in requests] == expected
+    failed = [tokens for tokens, error in sizes if error is not None]
+    assert failed
+    assert all(tokens > 12 for tokens in failed)
+    assert {error for _, error in sizes} == {None, "OutOfMemoryError"}
+    assert all(tokens <= 12 for tokens, error in sizes if error is None)
+    assert engine.scheduler.back_off.num_failures == len(failed)
+    assert engine.kv_cache_manager.device_pool.num_free_blocks == 64
+
+
+def test_a_request_that_fails_alone_in_the_smallest_step_ends_with_an_error_and_the_engine_goes_on():
+    engine = make_engine(num_blocks=64)
+    engine.runner.faults.update(fail_next_steps=10**6)  # every step fails
+    doomed = [engine.add_request(list(range(1, 9 + i)), greedy(5)) for i in range(3)]
+    finished = {}
+    for _ in range(100):
+        for output in engine.step():
+            finished[output.request_id] = output
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(finished) == sorted(r.request_id for r in doomed)
+    for output in finished.values():
+        assert output.finish_reason == "error"
+        assert "gave up on this request after 3 failed steps in which it ran alone" in output.error
+        assert "OutOfMemoryError: injected: out of memory in a step of 1 tokens" in output.error
+    assert engine.kv_cache_manager.device_pool.num_free_blocks == 64
+    engine.runner.faults.update(fail_next_steps=0)
+    assert (
+        run_to_completion(engine, [list(range(1, 12))], 6)[0]
+        == run_to_completion(make_engine(), [list(range(1, 12))], 6)[0]
+    )
+    assert engine.scheduler.back_off.is_backing_off  # a fresh request started small ...
+    for _ in range(64):
+        engine.scheduler.back_off.on_success()
+    assert not engine.scheduler.back_off.is_backing_off  # ... and successes grow the batch back
+
+
+def test_faults_refuse_unknown_names_and_bad_values():
+    faults = make_engine().runner.faults
+    with pytest.raises(ValueError, match="unknown fault 'oom'"):
+        faults.update(oom=1)
+    with pytest.raises(ValueError, match="fail_next_steps must be an integer >= 0, got -1"):
+        faults.update(fail_next_steps=-1)
+    with pytest.raises(ValueError, match="oom_above_batched_tokens must be an integer >= 0 or null, got '8'"):
+        faults.update(oom_above_batched_tokens="8", fail_next_steps=2)
+    assert faults.fail_next_steps == 0  # nothing of a refused update applies
