@@ -73,7 +73,7 @@ class StreamingUser(HttpUser):
     @task
     def stream(self) -> None:
         planned, body = next(self.bodies)
-        request_id = f"locust-{uuid.uuid4().hex[:12]}"
+        request_id = str(uuid.uuid4())  # a UUID: some servers refuse an X-Request-Id of any other shape
         sent_ts = time.perf_counter()
         tracker = StreamTracker(
             index=0,

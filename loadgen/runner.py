@@ -46,7 +46,9 @@ async def run_open_loop(
     start_unix = time.time() + START_DELAY_S
 
     async def one(planned: PlannedRequest) -> RequestRecord:
-        request_id = f"{run_id}-{planned.index}"
+        # Sent as X-Request-Id, so UUID-shaped (the run, then the request's index in hex): some servers refuse
+        # any other shape with a 400 (llama-cpp-python's, through starlette-context).
+        request_id = f"{run_id}-0000-4000-8000-{planned.index:012x}"
         if slots is None:
             return await client.send(planned, request_id=request_id, run_start_ts=start_ts)
         async with slots:

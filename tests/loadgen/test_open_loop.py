@@ -7,6 +7,8 @@ arrival stamps (same clock) confirm the client's recorded send times.
 
 from __future__ import annotations
 
+import uuid
+
 import numpy as np
 
 from loadgen.results import RunResult
@@ -22,6 +24,8 @@ def test_send_times_follow_the_schedule_while_the_server_slows_down(tmp_path):
         result = RunResult.read(run_bench_serve(server.base_url, tmp_path, *CLIENT_ARGS))
         log = server.script_log()
     records = sorted(result.records, key=lambda r: r.index)
+    # Request ids go out as X-Request-Id: UUIDs, which every server takes (llama-cpp-python's refuses others).
+    assert len({uuid.UUID(r.request_id) for r in records}) == NUM_REQUESTS
     scheduled = np.asarray([r.scheduled_s for r in records])
     sent = np.asarray([r.sent_s for r in records])
     np.testing.assert_allclose(scheduled, np.arange(NUM_REQUESTS) / RATE)
