@@ -26,7 +26,7 @@ class StepFaults:
         for name, value in changes.items():
             if name not in self.__dataclass_fields__:
                 raise ValueError(f"unknown fault {name!r}; faults: {', '.join(self.__dataclass_fields__)}")
-            allows_none = name == "oom_above_batched_tokens"
+            allows_none = self.__dataclass_fields__[name].default is None  # off is None, not 0
             if not (value is None and allows_none) and (type(value) is not int or value < 0):
                 raise ValueError(f"{name} must be an integer >= 0{' or null' if allows_none else ''}, got {value!r}")
         for name, value in changes.items():
