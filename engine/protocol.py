@@ -352,4 +352,8 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/pause": route("post", "The engine loop stops between steps"),
         "/admin/resume": route("post", "The engine loop runs again"),
         "/admin/step": route("post", "A paused engine runs num_steps loop iterations (query, default 1)"),
+        "/admin/faults": {
+            **route("get", "The faults injected into the engine's steps (engine/faults.py)"),
+            **route("post", "Change some faults (a JSON object of them); answers with them all"),
+        },
     }

@@ -84,3 +84,5 @@ def test_bad_faults_are_refused_with_400_and_change_nothing():
         current = requests.get(f"{server.url}/admin/faults", headers=server.admin_headers, timeout=60)
         assert current.json() == {"oom_above_batched_tokens": None, "fail_next_steps": 0}
         assert requests.get(f"{server.url}/admin/faults", timeout=60).status_code == 401
+        document = requests.get(f"{server.url}/openapi.json", timeout=60).json()
+        assert set(document["paths"]["/admin/faults"]) == {"get", "post"}
