@@ -61,7 +61,11 @@ class _SamplingRequest(_Strict):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    def num_logprobs(self) -> int | None:
+        """How many of the most likely tokens to report beside each sampled one; None: no logprobs."""
+        return None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``ValueError`` for combinations the fields alone cannot express (e.g. min_tokens > max_tokens)."""
         return SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
@@ -72,7 +76,7 @@ class _SamplingRequest(_Strict):
             ignore_eos=self.ignore_eos,
             stop=self.stop_strings(),
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            logprobs=self.num_logprobs(),
         )
 
     @property
@@ -87,6 +91,9 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(
         None, ge=0, le=SamplingParams.MAX_LOGPROBS, description="Log-probability of each token and the N most likely"
     )
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt per choice."""
@@ -103,6 +110,10 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens")
+    logprobs: bool = Field(False, description="Log-probability of each output token")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=SamplingParams.MAX_LOGPROBS, description="With logprobs: also the N most likely tokens"
+    )
 
     @model_validator(mode="after")
     def _one_output_limit(self) -> ChatCompletionRequest:
@@ -111,6 +122,15 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class Usage(BaseModel):
@@ -146,9 +166,24 @@ class ChatMessageOut(BaseModel):
     content: str
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None
 
 

@@ -162,7 +162,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     async_engine = _check_model_and_engine(request, body.model)
     prompts = body.prompts()
     try:
-        params = body.sampling_params(default_max_tokens=16, logprobs=body.logprobs)
+        params = body.sampling_params(default_max_tokens=16)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     return await _generate(request, body, "cmpl", prompts, [params] * len(prompts), async_engine)
@@ -329,18 +329,32 @@ async def _send_chunks(
     is_chat = isinstance(body, ChatCompletionRequest)
     include_usage = body.include_usage
     if is_chat:
-        await send(
-            chat_chunk(response_id, created, model, 0, {"role": "assistant", "content": ""}, None, include_usage)
-        )
+        role = {"role": "assistant", "content": ""}
+        await send(chat_chunk(response_id, created, model, 0, role, None, None, include_usage))
     async for index, output in _merge(streams):
-        delta, logprobs = assemblers[index].push(output)
+        assembler = assemblers[index]
+        delta, logprobs = assembler.push(output)
         if is_chat:
             chunk = chat_chunk(
-                response_id, created, model, index, {"content": delta}, output.finish_reason, include_usage
+                response_id,
+                created,
+                model,
+                index,
+                {"content": delta},
+                assembler.chat_logprobs(logprobs) if logprobs else None,
+                output.finish_reason,
+                include_usage,
             )
         else:
             chunk = completion_chunk(
-                response_id, created, model, index, delta, logprobs, output.finish_reason, include_usage
+                response_id,
+                created,
+                model,
+                index,
+                delta,
+                assembler.completion_logprobs(logprobs) if logprobs else None,
+                output.finish_reason,
+                include_usage,
             )
         await send(chunk)
     if include_usage:

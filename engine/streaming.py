@@ -19,7 +19,10 @@ from engine.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessageOut,
+    ChatTokenLogprob,
+    ChatTopLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -36,8 +39,7 @@ class ChoiceAssembler:
         self.stop = stop
         self.decoded = ""  # everything decoded, including a held-back tail
         self.num_sent = 0
-        self.logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[])
-        self.has_logprobs = False
+        self.logprobs: list[TokenLogprobs] | None = None  # every token's, once the request's outputs carry them
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
@@ -46,8 +48,8 @@ class ChoiceAssembler:
     def text(self) -> str:
         return self.decoded[: self.num_sent]
 
-    def push(self, output: RequestOutput) -> tuple[str, CompletionLogprobs | None]:
-        """The text delta this output releases, and its tokens' logprobs if the request asked for them."""
+    def push(self, output: RequestOutput) -> tuple[str, tuple[TokenLogprobs, ...]]:
+        """The text delta this output releases, and its tokens' logprobs (none unless the request asked)."""
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
         self.finish_reason = output.finish_reason
@@ -60,7 +62,9 @@ class ChoiceAssembler:
             end = len(self.decoded) - self._partial_stop_length()
         delta = self.decoded[self.num_sent : end] if end > self.num_sent else ""
         self.num_sent = max(self.num_sent, end)
-        return delta, self._push_logprobs(output.logprobs)
+        if output.logprobs is not None:
+            self.logprobs = [*(self.logprobs or ()), *output.logprobs]
+        return delta, output.logprobs or ()
 
     def _partial_stop_length(self) -> int:
         """Length of the longest tail of the text that is the beginning of a stop string."""
@@ -72,21 +76,29 @@ class ChoiceAssembler:
                     break
         return longest
 
-    def _push_logprobs(self, values: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
-        if values is None:
-            return None
-        self.has_logprobs = True
-        delta = CompletionLogprobs(
+    def completion_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs:
+        return CompletionLogprobs(
             tokens=[self._token_text(v.token_id) for v in values],
             token_logprobs=[v.logprob for v in values],
             top_logprobs=[
                 {self._token_text(t): lp for t, lp in zip(v.top_token_ids, v.top_logprobs, strict=True)} for v in values
             ],
         )
-        self.logprobs.tokens.extend(delta.tokens)
-        self.logprobs.token_logprobs.extend(delta.token_logprobs)
-        self.logprobs.top_logprobs.extend(delta.top_logprobs)
-        return delta
+
+    def chat_logprobs(self, values: Sequence[TokenLogprobs]) -> ChatLogprobs:
+        def entry(token_id: int, logprob: float) -> ChatTopLogprob:
+            text = self._token_text(token_id)
+            return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
+
+        return ChatLogprobs(
+            content=[
+                ChatTokenLogprob(
+                    **entry(v.token_id, v.logprob).model_dump(),
+                    top_logprobs=[entry(t, lp) for t, lp in zip(v.top_token_ids, v.top_logprobs, strict=True)],
+                )
+                for v in values
+            ]
+        )
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -125,10 +137,16 @@ def chat_chunk(
     model: str,
     index: int,
     delta: dict[str, str],
+    logprobs: ChatLogprobs | None,
     finish_reason: str | None,
     include_usage: bool,
 ) -> dict[str, Any]:
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    choice = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs.model_dump() if logprobs else None,
+        "finish_reason": finish_reason,
+    }
     return _chunk(response_id, "chat.completion.chunk", created, model, choice, include_usage)
 
 
@@ -166,7 +184,12 @@ def final_response(
             created=created,
             model=model,
             choices=[
-                ChatChoice(index=i, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
+                ChatChoice(
+                    index=i,
+                    message=ChatMessageOut(content=c.text),
+                    logprobs=c.chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                )
                 for i, c in enumerate(choices)
             ],
             usage=usage,
@@ -177,7 +200,10 @@ def final_response(
         model=model,
         choices=[
             CompletionChoice(
-                index=i, text=c.text, logprobs=c.logprobs if c.has_logprobs else None, finish_reason=c.finish_reason
+                index=i,
+                text=c.text,
+                logprobs=c.completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
             )
             for i, c in enumerate(choices)
         ],

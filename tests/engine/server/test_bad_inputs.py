@@ -83,7 +83,9 @@ CASES = [
     (CHAT, chat(messages=[{"role": "robot", "content": "Hi"}]), 400, "messages", "'messages.0.role'"),
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), 400, "messages", "'messages.0.content'"),
     (CHAT, chat(messages=[{"role": "user"}]), 400, "messages", "Field required"),
-    (CHAT, chat(logprobs=True), 400, "logprobs", "unknown field 'logprobs'"),
+    (CHAT, chat(top_logprobs=2), 400, None, "top_logprobs needs logprobs set to true"),
+    (CHAT, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", "less than or equal to 20"),
+    (CHAT, chat(logprobs="yes"), 400, "logprobs", "valid boolean"),
     (CHAT, chat(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
     ("/v1/nothing-here", completion(), 404, None, "Not Found"),
 ]

@@ -124,6 +124,30 @@ def test_logprobs_stream_and_json_agree(client):
     assert streamed == pytest.approx(logprobs.token_logprobs)
 
 
+def test_chat_logprobs_stream_and_json_agree_with_completions(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens == 4
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert [top.logprob for top in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token is the most likely
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [e.logprob for chunk in stream if chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert streamed == pytest.approx([entry.logprob for entry in content])
+    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == response.choices[0].message.content
+
+
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(client):
     def sample(seed: int) -> str:
         params = {"max_tokens": 12, "temperature": 1.0, "seed": seed}
