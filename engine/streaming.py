@@ -63,7 +63,9 @@ class ChoiceAssembler:
         delta = self.decoded[self.num_sent : end] if end > self.num_sent else ""
         self.num_sent = max(self.num_sent, end)
         if output.logprobs is not None:
-            self.logprobs = [*(self.logprobs or ()), *output.logprobs]
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(output.logprobs)
         return delta, output.logprobs or ()
 
     def _partial_stop_length(self) -> int:
