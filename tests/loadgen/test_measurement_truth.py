@@ -8,9 +8,10 @@ stamps each token after writing it on the same monotonic clock as the client, so
 against what the server really did (per token) and against the script (percentiles within 5 ms).
 
 The machine is shared: even at real-time priority a neighbour's compile can hold the CPU for tens of milliseconds
-(the kernel reserves CPU time for ordinary tasks). So the run is tried up to three times, and the timing tests use
-the first run whose every deviation is within 5 ms. A client with a systematic error fails all three; every run
-must classify every request exactly.
+(the kernel reserves CPU time for ordinary tasks), and a virtual machine's host can take its CPUs away for as long.
+So the run is tried up to five times (about 10 s each), and the timing tests use the first run whose every deviation
+is within 5 ms; on a quiet machine the first run is, with 2 to 3 ms to spare. A client with a systematic error fails
+all five; every run must classify every request exactly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.loadgen.conftest import run_bench_serve, scripted_server
 
 TTFT_MS, GAP_MS, STALL_MS, NUM_TOKENS = 150.0, 20.0, 400.0, 60
 TOLERANCE_MS = 5.0
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 5
 
 
 def _one_run(results_dir) -> tuple[RunResult, dict[str, dict]]:
