@@ -139,6 +139,10 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+# A request the engine gives up on ("error") ends with an error event or a 500, never with a choice.
+FinishReason = Literal["stop", "length", "abort"]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
@@ -149,7 +153,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: FinishReason | None
 
 
 class CompletionResponse(BaseModel):
@@ -184,7 +188,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: FinishReason | None
 
 
 class ChatCompletionResponse(BaseModel):

@@ -38,7 +38,7 @@ from engine.protocol import (
     openapi_document,
 )
 from engine.sampling_params import SamplingParams
-from engine.streaming import ChoiceAssembler, chat_chunk, completion_chunk, final_response, usage_chunk
+from engine.streaming import ChoiceAssembler, final_response, role_chunk, token_chunk, usage_chunk
 
 logger = logging.getLogger(__name__)
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
@@ -205,7 +205,8 @@ async def _generate(
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     streams = _submit_all(async_engine, response_id, prompts, params_list)
     tokenizer = async_engine.engine.tokenizer
-    assemblers = [ChoiceAssembler(tokenizer, p.stop) for p in params_list]
+    is_chat = isinstance(body, ChatCompletionRequest)
+    assemblers = [ChoiceAssembler(tokenizer, p.stop, is_chat) for p in params_list]
     created = int(time.time())
     model = request.app[SERVER_CONFIG].served_model_name
     try:
@@ -329,34 +330,16 @@ async def _send_chunks(
     is_chat = isinstance(body, ChatCompletionRequest)
     include_usage = body.include_usage
     if is_chat:
-        role = {"role": "assistant", "content": ""}
-        await send(chat_chunk(response_id, created, model, 0, role, None, None, include_usage))
+        await send(role_chunk(response_id, created, model, include_usage))
     async for index, output in _merge(streams):
         assembler = assemblers[index]
         delta, logprobs = assembler.push(output)
-        if is_chat:
-            chunk = chat_chunk(
-                response_id,
-                created,
-                model,
-                index,
-                {"content": delta},
-                assembler.chat_logprobs(logprobs) if logprobs else None,
-                output.finish_reason,
-                include_usage,
+        formatted = assembler.format_logprobs(logprobs) if logprobs else None
+        await send(
+            token_chunk(
+                response_id, is_chat, created, model, index, delta, formatted, output.finish_reason, include_usage
             )
-        else:
-            chunk = completion_chunk(
-                response_id,
-                created,
-                model,
-                index,
-                delta,
-                assembler.completion_logprobs(logprobs) if logprobs else None,
-                output.finish_reason,
-                include_usage,
-            )
-        await send(chunk)
+        )
     if include_usage:
         await send(usage_chunk(response_id, is_chat, created, model, assemblers))
 

@@ -34,9 +34,10 @@ from engine.protocol import (
 class ChoiceAssembler:
     """One choice: the text sent so far, its logprobs, its finish reason and token counts."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...], chat: bool) -> None:
         self.tokenizer = tokenizer  # names the tokens of logprobs; the engine decodes the text
         self.stop = stop
+        self.chat = chat  # which OpenAI shape its logprobs take
         self.decoded = ""  # everything decoded, including a held-back tail
         self.num_sent = 0
         self.logprobs: list[TokenLogprobs] | None = None  # every token's, once the request's outputs carry them
@@ -78,7 +79,11 @@ class ChoiceAssembler:
                     break
         return longest
 
-    def completion_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs:
+    def format_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs | ChatLogprobs:
+        """``values`` in this choice's endpoint's shape."""
+        return self._chat_logprobs(values) if self.chat else self._completion_logprobs(values)
+
+    def _completion_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs:
         return CompletionLogprobs(
             tokens=[self._token_text(v.token_id) for v in values],
             token_logprobs=[v.logprob for v in values],
@@ -87,7 +92,7 @@ class ChoiceAssembler:
             ],
         )
 
-    def chat_logprobs(self, values: Sequence[TokenLogprobs]) -> ChatLogprobs:
+    def _chat_logprobs(self, values: Sequence[TokenLogprobs]) -> ChatLogprobs:
         def entry(token_id: int, logprob: float) -> ChatTopLogprob:
             text = self._token_text(token_id)
             return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
@@ -114,57 +119,43 @@ def usage_of(choices: Sequence[ChoiceAssembler]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def completion_chunk(
+def role_chunk(response_id: str, created: int, model: str, include_usage: bool) -> dict[str, Any]:
+    """A chat stream's first chunk: the assistant's role, no text yet."""
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return _chunk(response_id, True, created, model, choice, include_usage)
+
+
+def token_chunk(
     response_id: str,
+    is_chat: bool,
     created: int,
     model: str,
     index: int,
     text: str,
-    logprobs: CompletionLogprobs | None,
+    logprobs: CompletionLogprobs | ChatLogprobs | None,
     finish_reason: str | None,
     include_usage: bool,
 ) -> dict[str, Any]:
-    choice = {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs.model_dump() if logprobs else None,
-        "finish_reason": finish_reason,
-    }
-    return _chunk(response_id, "text_completion", created, model, choice, include_usage)
-
-
-def chat_chunk(
-    response_id: str,
-    created: int,
-    model: str,
-    index: int,
-    delta: dict[str, str],
-    logprobs: ChatLogprobs | None,
-    finish_reason: str | None,
-    include_usage: bool,
-) -> dict[str, Any]:
-    choice = {
-        "index": index,
-        "delta": delta,
-        "logprobs": logprobs.model_dump() if logprobs else None,
-        "finish_reason": finish_reason,
-    }
-    return _chunk(response_id, "chat.completion.chunk", created, model, choice, include_usage)
+    """One choice's new text (a chat delta or completion text), its logprobs and, in the last, the finish reason."""
+    choice: dict[str, Any] = {"index": index, **({"delta": {"content": text}} if is_chat else {"text": text})}
+    choice["logprobs"] = logprobs.model_dump() if logprobs else None
+    choice["finish_reason"] = finish_reason
+    return _chunk(response_id, is_chat, created, model, choice, include_usage)
 
 
 def usage_chunk(
     response_id: str, is_chat: bool, created: int, model: str, choices: Sequence[ChoiceAssembler]
 ) -> dict[str, Any]:
     """The last chunk of a stream that asked for usage: no choices, the token counts of all of them."""
-    object_name = "chat.completion.chunk" if is_chat else "text_completion"
-    chunk = _chunk(response_id, object_name, created, model, None, include_usage=True)
+    chunk = _chunk(response_id, is_chat, created, model, None, include_usage=True)
     chunk["usage"] = usage_of(choices).model_dump()
     return chunk
 
 
 def _chunk(
-    response_id: str, object_name: str, created: int, model: str, choice: dict[str, Any] | None, include_usage: bool
+    response_id: str, is_chat: bool, created: int, model: str, choice: dict[str, Any] | None, include_usage: bool
 ) -> dict[str, Any]:
+    object_name = "chat.completion.chunk" if is_chat else "text_completion"
     choices = [choice] if choice is not None else []
     chunk = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices}
     if include_usage:
@@ -189,7 +180,7 @@ def final_response(
                 ChatChoice(
                     index=i,
                     message=ChatMessageOut(content=c.text),
-                    logprobs=c.chat_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    logprobs=c.format_logprobs(c.logprobs) if c.logprobs is not None else None,
                     finish_reason=c.finish_reason,
                 )
                 for i, c in enumerate(choices)
@@ -204,7 +195,7 @@ def final_response(
             CompletionChoice(
                 index=i,
                 text=c.text,
-                logprobs=c.completion_logprobs(c.logprobs) if c.logprobs is not None else None,
+                logprobs=c.format_logprobs(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=c.finish_reason,
             )
             for i, c in enumerate(choices)
