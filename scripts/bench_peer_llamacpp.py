@@ -1,10 +1,10 @@
 """kvstorm against llama.cpp's OpenAI server: the same GGUF file, the same CPUs, the same open-loop load, one run.
 
 llama-cpp-python is not a dependency of ours (it compiles llama.cpp: about 4 minutes on two cores); give this
-script a Python that has it:
+script a Python that has it, e.g. a venv of its own beside ours:
 
-    python3 -m venv /tmp/llama && /tmp/llama/bin/pip install 'llama-cpp-python[server]'
-    .venv/bin/python scripts/bench_peer_llamacpp.py --llama-python /tmp/llama/bin/python
+    python3 -m venv .llama-venv && .llama-venv/bin/pip install 'llama-cpp-python[server]'
+    .venv/bin/python scripts/bench_peer_llamacpp.py --llama-python .llama-venv/bin/python
 
 Each server in turn (never both at once) takes `kvstorm bench serve` at each arrival rate: chat prompts from the
 bundled corpus, exactly ``--output-len`` tokens per request, Poisson arrivals. llama.cpp gets every CPU as threads
