@@ -15,6 +15,7 @@ order (padded with zeros past its last block).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,6 +109,28 @@ def _padded(block_ids: list[int], length: int) -> list[int]:
 
 
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]  # K, V: [num_blocks, block_size, num_kv_heads, head_dim]
+# (q [B, H, D], k_cache, v_cache, block_tables [B, max_blocks], seq_lens [B], scale) -> [B, H, D]
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def attend_decodes(
+    decode_kernel: DecodeKernel,
+    q: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    metadata: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Every single-token decode of the step in one kernel call, into its rows of ``out``."""
+    if metadata.decode_token_rows.numel():
+        out[metadata.decode_token_rows] = decode_kernel(
+            q[metadata.decode_token_rows],
+            kv_cache[0],
+            kv_cache[1],
+            metadata.decode_block_tables,
+            metadata.decode_seq_lens,
+            scale,
+        )
 
 
 class AttentionBackend(Protocol):

@@ -9,11 +9,9 @@ cached yet.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from engine.attention.backend import AttentionMetadata, KVCacheLayer
+from engine.attention.backend import AttentionMetadata, DecodeKernel, KVCacheLayer, attend_decodes
 from kernels.reference import (
     causal_attention,
     copy_blocks_reference,
@@ -21,9 +19,6 @@ from kernels.reference import (
     paged_decode_attention_reference,
     reshape_and_cache_reference,
 )
-
-# (q [B, H, D], k_cache, v_cache, block_tables [B, max_blocks], seq_lens [B], scale) -> [B, H, D]
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class TorchAttentionBackend:
@@ -45,15 +40,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         reshape_and_cache_reference(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         out = torch.empty_like(q)
-        if metadata.decode_token_rows.numel():
-            out[metadata.decode_token_rows] = self.decode_kernel(
-                q[metadata.decode_token_rows],
-                kv_cache[0],
-                kv_cache[1],
-                metadata.decode_block_tables,
-                metadata.decode_seq_lens,
-                scale,
-            )
+        attend_decodes(self.decode_kernel, q, kv_cache, metadata, scale, out)
         block_size = kv_cache[0].shape[1]
         for i in metadata.prefill_indices:
             rows = slice(metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, KVCacheLayer
+from engine.attention.backend import AttentionMetadata, KVCacheLayer, attend_decodes
 from kernels.triton_block_copy import copy_blocks
 from kernels.triton_paged_attention import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
@@ -28,15 +28,7 @@ class TritonAttentionBackend:
         k_cache, v_cache = kv_cache
         reshape_and_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
-        if metadata.decode_token_rows.numel():
-            out[metadata.decode_token_rows] = paged_decode_attention(
-                q[metadata.decode_token_rows],
-                k_cache,
-                v_cache,
-                metadata.decode_block_tables,
-                metadata.decode_seq_lens,
-                scale,
-            )
+        attend_decodes(paged_decode_attention, q, kv_cache, metadata, scale, out)
         if metadata.prefill_indices:
             prefill = metadata.prefill_batch
             out[prefill.token_rows] = paged_prefill_attention(
