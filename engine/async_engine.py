@@ -368,18 +368,13 @@ class AsyncEngine:
                 self._deliver_output(stream, output, now, deliveries)
 
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
-        if output.finish_reason == "error":  # the engine gave up on this request alone
-            with self._cond:
-                self._streams.pop(output.request_id, None)
-            self.metrics.observe_finished(stream.request, "error", now)
-            deliveries.append((stream, EngineFailure(output.error or "the engine gave up on this request")))
-            return
         if output.new_token_ids:
             gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
             self.metrics.observe_tokens(stream.request, len(output.new_token_ids), gap_s)
             stream.last_token_ts = now
         stream.num_pushed += 1
-        deliveries.append((stream, output))
+        # A request the engine gave up on alone (finish reason "error") ends its stream as an engine failure.
+        deliveries.append((stream, EngineFailure(output.error) if output.finish_reason == "error" else output))
         if output.finished:
             with self._cond:
                 self._streams.pop(output.request_id, None)

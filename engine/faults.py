@@ -7,7 +7,7 @@ real out-of-memory error meets.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,7 @@ class StepFaults:
             setattr(self, name, value)
 
     def active(self) -> dict[str, bool]:
-        return {name: value not in (None, 0) for name, value in asdict(self).items()}
+        return {name: getattr(self, name) not in (None, 0) for name in self.__dataclass_fields__}
 
     def check(self, output: SchedulerOutput) -> None:
         if self.fail_next_steps > 0:
