@@ -199,7 +199,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         swap_s = self.runner.move_blocks(scheduler_output)
         try:
-            result = self.runner.execute(scheduler_output, swap_s)
+            result = self.runner.execute(scheduler_output)
         except Exception as error:
             logger.warning(
                 "step of %d requests, %d tokens failed (%s: %s); backing off",

@@ -50,17 +50,17 @@ class ModelRunner:
         move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
         return swap_s
 
-    def execute(self, output: SchedulerOutput, swap_s: float = 0.0) -> ExecuteResult:
+    def execute(self, output: SchedulerOutput) -> ExecuteResult:
         """The step's forward pass, once its blocks are in place: the sampled token of every request that
         ``needs_sample``, logprobs where asked. Raising leaves the cache as it was, but for K/V written into
         slots of this step's new tokens, which a retry writes again."""
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
-            return ExecuteResult({}, swap_s=swap_s)
+            return ExecuteResult({})
         self.faults.check(output)
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
         if not to_sample:  # every chunk was a partial prefill
-            return ExecuteResult({}, swap_s=swap_s)
+            return ExecuteResult({})
         tokens = sample(
             logits,
             [s.sampling_params for s in to_sample],
@@ -68,7 +68,7 @@ class ModelRunner:
             [s.banned_token_ids for s in to_sample],
         )
         sampled = {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
-        return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens), swap_s)
+        return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens))
 
     def swap_out(self, block_pairs: Sequence[tuple[int, int]]) -> None:
         move_blocks(self.device_cache, self.host_cache, block_pairs, self.model.backend)

@@ -79,7 +79,6 @@ class ExecuteResult:
     sampled: dict[str, int]
     # Only for requests that asked for logprobs.
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    swap_s: float = 0.0
 
 
 @dataclass(frozen=True)
