@@ -14,6 +14,7 @@ from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.faults import StepFaults
 from engine.model.llama import LlamaForCausalLM
+from engine.model.packed_linear import packing_applies
 from engine.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.sampling import compute_logprobs, make_generator, sample
 
@@ -27,6 +28,11 @@ class ModelRunner:
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
+        # "onednn-packed" or "torch": how the linear layers multiply (reported by benchmarks).
+        self.matmul = "torch"
+        if packing_applies(self.device, parameter.dtype):
+            model.pack_linear_weights()
+            self.matmul = "onednn-packed"
         self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)
         self.host_cache = PagedKVCache(
             model.config,

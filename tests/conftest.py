@@ -28,7 +28,11 @@ def real_source() -> ModelSource:
 
 @pytest.fixture(scope="session")
 def real_model(real_source: ModelSource) -> LlamaForCausalLM:
-    return real_source.load_model(dtype=torch.float32, device="cpu")
+    """The real model as the engine runs it on the CPU, linear weights prepacked for oneDNN: an engine would
+    pack the shared model on first use, so it is packed here and every test sees the same one."""
+    model = real_source.load_model(dtype=torch.float32, device="cpu")
+    model.pack_linear_weights()
+    return model
 
 
 @pytest.fixture(scope="session")

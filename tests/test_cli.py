@@ -53,6 +53,8 @@ def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
     (kvstorm,) = data["results"]
     assert kvstorm["output_tokens"] == data["output_tokens"]  # ignore_eos: every request ran to its length
     assert kvstorm["details"]["attention_backend"] == "TorchAttentionBackend"
+    assert kvstorm["details"]["matmul"] == "onednn-packed"  # float32 on this torch's CPU build
+    assert set(data["matmul_gflops"]) == {"torch.mm", "onednn-packed"}
     assert (
         kvstorm["details"]["num_preemptions"] > 0
     )  # 1024 slots of KV cannot hold these 3 requests (1613 tokens at the end)

@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.config import ModelConfig
+from engine.model.packed_linear import PackedLinear, pack_linear_layers
 
 
 class RMSNorm(nn.Module):
@@ -146,8 +147,17 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack_linear_weights(self) -> None:
+        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``). A head tied to the
+        embeddings gets its own packed copy, the embedding lookup keeps the plain matrix. Weights cannot be
+        loaded afterwards."""
+        pack_linear_layers(self)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -178,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _parameter_for(self, hf_name: str) -> tuple[str, str | None] | None:
         """Our parameter name (and fused shard) for a Hugging Face weight name; None to skip it."""
-        if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.lm_head is None):
+        if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
         if hf_name == "lm_head.weight":
             return "lm_head.weight", None

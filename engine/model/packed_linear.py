@@ -1,0 +1,52 @@
+"""Linear layers whose weights are reordered once into oneDNN's blocked layout, for inference on the CPU.
+
+``F.linear`` on the CPU goes to MKL's sgemm, which repacks the weight matrix on
+every call: at decode batch sizes (tens of rows against a 576 x 3072 weight) the
+repacking costs as much as the multiply. Reordering each weight once at start
+and calling oneDNN's matmul on it (the op PyTorch's own compiler uses for frozen
+CPU linears) removes that cost; `scripts/bench_linear.py` measures both paths.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where oneDNN can run the model's linears: this torch has it, CPU, float32 or bfloat16."""
+    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+
+
+class PackedLinear(nn.Module):
+    """``x @ weight.T + bias`` through oneDNN with the weight prepacked; holds no copy of the plain weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linear_layers(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many were replaced."""
+    replaced = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear.from_linear(child))
+                replaced += 1
+    return replaced
