@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.config import ModelConfig
-from engine.model.packed_linear import PackedLinear, pack_linear_layers
+from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers
 
 
 class RMSNorm(nn.Module):
@@ -99,9 +99,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual`` plus the MLP of ``x`` (the sum is the layer's output, so a packed MLP can fuse it)."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return residual + self.down_proj(F.silu(gate) * up)
+
+    def packed(self) -> PackedSwiGLU:
+        gate, up = self.gate_up_proj.weight.split(self.intermediate_size)
+        return PackedSwiGLU(gate, up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -114,7 +119,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, metadata, backend):
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
-        return x + self.mlp(self.post_attn_norm(x))
+        return self.mlp(self.post_attn_norm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,9 +157,12 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_linear_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``). A head tied to the
-        embeddings gets its own packed copy, the embedding lookup keeps the plain matrix. Weights cannot be
-        loaded afterwards."""
+        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``); the MLPs run their
+        element-wise work as fused post-ops. A head tied to the embeddings gets its own packed copy, the
+        embedding lookup keeps the plain matrix. Weights cannot be loaded afterwards."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MLP):
+                layer.mlp = layer.mlp.packed()
         pack_linear_layers(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight)

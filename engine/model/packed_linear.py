@@ -41,6 +41,25 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PackedSwiGLU(nn.Module):
+    """``residual + down(silu(gate(x)) * up(x))``, Llama's MLP plus the residual, in three prepacked oneDNN
+    matmuls whose element-wise work runs as fused post-ops on each output tile while it is in cache: SiLU
+    (oneDNN's "swish") on the gate, times the gate on the up projection, plus the residual on the down one."""
+
+    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = (
+            torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+            for w in (gate_weight, up_weight, down_weight)
+        )
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        linear = torch.ops.mkldnn._linear_pointwise
+        gate = linear(x, self.gate, None, "swish", [], "")
+        hidden = linear.binary(x, gate, self.up, None, "mul")
+        return linear.binary(hidden, residual, self.down, None, "add")
+
+
 def pack_linear_layers(module: nn.Module) -> int:
     """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many were replaced."""
     replaced = 0

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.packed_linear import PackedLinear, pack_linear_layers, packing_applies
+from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers, packing_applies
 from engine.model.registry import resolve_model
 
 
@@ -29,21 +29,32 @@ def test_packing_a_model_replaces_every_linear_and_keeps_its_outputs():
     source = resolve_model("random:tiny")
     plain, packed = source.load_model(seed=3), source.load_model(seed=3)
     packed.pack_linear_weights()
-    plain_linears = {name: m for name, m in plain.named_modules() if isinstance(m, nn.Linear)}
-    assert plain_linears
     assert not any(isinstance(m, nn.Linear) for m in packed.modules())
-    packed_modules = dict(packed.named_modules())
-    x = torch.randn(5, plain.config.hidden_size)
-    for name, linear in plain_linears.items():
-        layer_input = torch.randn(5, linear.in_features)
-        assert isinstance(packed_modules[name], PackedLinear)
-        torch.testing.assert_close(packed_modules[name](layer_input), linear(layer_input), rtol=1e-5, atol=1e-5)
+    x, residual = torch.randn(5, plain.config.hidden_size), torch.randn(5, plain.config.hidden_size)
+    for plain_layer, packed_layer in zip(plain.layers, packed.layers, strict=True):
+        for name in ("qkv_proj", "o_proj"):
+            linear, packed_linear = getattr(plain_layer.attn, name), getattr(packed_layer.attn, name)
+            assert isinstance(packed_linear, PackedLinear)
+            layer_input = torch.randn(5, linear.in_features)
+            torch.testing.assert_close(packed_linear(layer_input), linear(layer_input), rtol=1e-5, atol=1e-5)
+        assert isinstance(packed_layer.mlp, PackedSwiGLU)
+        torch.testing.assert_close(packed_layer.mlp(x, residual), plain_layer.mlp(x, residual), rtol=1e-5, atol=1e-5)
     # The tied head gets its own packed copy; the embedding matrix stays a plain parameter for the lookup.
     assert plain.config.tie_word_embeddings
     assert isinstance(packed.lm_head, PackedLinear)
     torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.embed_tokens.weight, plain.embed_tokens.weight)
     assert pack_linear_layers(packed) == 0  # packing twice changes nothing
+
+
+def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
+    generator = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(48, 32, generator=generator), torch.randn(48, 32, generator=generator)
+    down = torch.randn(32, 48, generator=generator)
+    x, residual = torch.randn(9, 32, generator=generator), torch.randn(9, 32, generator=generator)
+    x64 = x.double()
+    expected = residual.double() + F.silu(x64 @ gate.double().T) * (x64 @ up.double().T) @ down.double().T
+    torch.testing.assert_close(PackedSwiGLU(gate, up, down)(x, residual).double(), expected, rtol=1e-4, atol=1e-3)
 
 
 def test_packing_applies_to_float32_and_bfloat16_on_the_cpu_only():
