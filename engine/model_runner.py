@@ -21,7 +21,8 @@ from engine.sampling import compute_logprobs, make_generator, sample
 
 class ModelRunner:
     """Owns the model, the device KV cache, the host swap cache, each request's random stream, and the faults
-    injected into its steps."""
+    injected into its steps. On the CPU it prepacks the model's linear weights for oneDNN (in place: a model
+    handed to a runner serves inference only from then on)."""
 
     def __init__(self, model: LlamaForCausalLM, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
         self.model = model

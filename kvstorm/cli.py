@@ -44,7 +44,7 @@ def _bench_handler(run, section: str):
 
     def handler(args: argparse.Namespace) -> int:
         report = run(args)
-        command = " ".join(["kvstorm", *sys.argv[1:]])
+        command = " ".join(["kvstorm", *reproducible_args(sys.argv[1:])])
         markdown = (
             f"## `kvstorm bench {section}`\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
         )
@@ -57,6 +57,20 @@ def _bench_handler(run, section: str):
         return 0
 
     return handler
+
+
+def reproducible_args(argv: list[str]) -> list[str]:
+    """The command line without where this run wrote its raw results (``--json PATH``: a path on this machine)."""
+    kept: list[str] = []
+    skip_next = False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg == "--json":
+            skip_next = True
+        elif not arg.startswith("--json="):
+            kept.append(arg)
+    return kept
 
 
 def main(argv: list[str] | None = None) -> int:

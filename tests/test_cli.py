@@ -59,6 +59,9 @@ def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
         kvstorm["details"]["num_preemptions"] > 0
     )  # 1024 slots of KV cannot hold these 3 requests (1613 tokens at the end)
     assert "model random:tiny" in result.stdout
+    # The recorded command reproduces the run without naming where this machine kept its raw results.
+    assert "Reproduce: `kvstorm bench --no-docs offline --model random:tiny --attention-backend torch" in result.stdout
+    assert str(result_file) not in result.stdout
 
 
 def test_bench_offline_refuses_transformers_peers_for_another_model():
