@@ -374,7 +374,7 @@ class AsyncEngine:
             stream.last_token_ts = now
         stream.num_pushed += 1
         # A request the engine gave up on alone (finish reason "error") ends its stream as an engine failure.
-        deliveries.append((stream, EngineFailure(output.error) if output.finish_reason == "error" else output))
+        deliveries.append((stream, EngineFailure(output.error) if output.error is not None else output))
         if output.finished:
             with self._cond:
                 self._streams.pop(output.request_id, None)

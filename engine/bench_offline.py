@@ -278,12 +278,8 @@ def run_offline_bench(
         print(f"[bench offline] {name}: {results[-1].elapsed_s} s", file=sys.stderr, flush=True)
     # Measured again at the end, the faster of the two counts: a momentary slowdown of this (virtual) machine
     # during one measurement must not pass for the roofline and flatter the fraction.
-    matmul_gflops = {
-        path: max(rate, again)
-        for (path, rate), again in zip(
-            matmul_gflops.items(), measure_matmul_gflops(device, dtype).values(), strict=True
-        )
-    }
+    again = measure_matmul_gflops(device, dtype)
+    matmul_gflops = {path: max(rate, again[path]) for path, rate in matmul_gflops.items()}
     data = {
         "workload": "w1-throughput",
         "model": kvstorm_options["model"],

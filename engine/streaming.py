@@ -83,6 +83,10 @@ class ChoiceAssembler:
         """``values`` in this choice's endpoint's shape."""
         return self._chat_logprobs(values) if self.chat else self._completion_logprobs(values)
 
+    def all_logprobs(self) -> CompletionLogprobs | ChatLogprobs | None:
+        """Every token's logprobs so far in this endpoint's shape; None when the request did not ask for them."""
+        return None if self.logprobs is None else self.format_logprobs(self.logprobs)
+
     def _completion_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs:
         return CompletionLogprobs(
             tokens=[self._token_text(v.token_id) for v in values],
@@ -180,7 +184,7 @@ def final_response(
                 ChatChoice(
                     index=i,
                     message=ChatMessageOut(content=c.text),
-                    logprobs=c.format_logprobs(c.logprobs) if c.logprobs is not None else None,
+                    logprobs=c.all_logprobs(),
                     finish_reason=c.finish_reason,
                 )
                 for i, c in enumerate(choices)
@@ -195,7 +199,7 @@ def final_response(
             CompletionChoice(
                 index=i,
                 text=c.text,
-                logprobs=c.format_logprobs(c.logprobs) if c.logprobs is not None else None,
+                logprobs=c.all_logprobs(),
                 finish_reason=c.finish_reason,
             )
             for i, c in enumerate(choices)
