@@ -11,6 +11,8 @@ simply faster here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -18,8 +20,21 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """True where oneDNN can run the model's linears: this torch has it, CPU, float32 or bfloat16."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """True where oneDNN can run the model's linears: this torch has it, CPU, float32, or bfloat16 on a CPU whose
+    instructions oneDNN's bfloat16 path needs (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither)."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or _cpu_packs_bfloat16()
+
+
+@functools.cache
+def _cpu_packs_bfloat16() -> bool:
+    """Asked of oneDNN itself: it refuses to reorder a bfloat16 weight on a CPU without the instructions."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
