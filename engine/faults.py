@@ -1,7 +1,7 @@
 """Faults the chaos harness turns on through ``/admin/faults``, raised where the real ones would be.
 
 Both raise ``torch.OutOfMemoryError`` from the model runner just before a step's forward pass, the point where a
-device that ran out of memory raises it, so the engine's recovery (``engine.step_back_off``) is the same code a
+device that ran out of memory raises it, so the engine's recovery (``engine.core.step_back_off``) is the same code a
 real out-of-memory error meets.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.outputs import SchedulerOutput
+from engine.core.outputs import SchedulerOutput
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The engine: requests in, one ``step()`` at a time, outputs out; and ``LLM`` for offline batches.
 
-step():  schedule -> swap / copy -> run the model -> sample -> update queues
+step():  schedule -> swap -> run the model -> sample -> update queues -> decide who is done -> outputs
 """
 
 from __future__ import annotations
@@ -10,52 +10,54 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.attention.selector import make_attention_backend
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager, num_blocks_for
+from engine.core.block_pool import BlockPool
+from engine.core.config import EngineConfig
+from engine.core.interface import Prompt
+from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
+from engine.core.outputs import (
+    EngineInfo,
+    EngineSnapshot,
+    PreemptionEvent,
+    RequestOutput,
+    RequestSnapshot,
+    SchedulerOutput,
+    SchedulerStats,
+    StepStats,
+    TokenLogprobs,
+)
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import Request, RequestStatus
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.stopping import check_stop, releasable_text_end
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import PreemptionEvent, RequestOutput, SchedulerOutput, SchedulerStats
-from engine.preemption import PreemptionPolicy
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-
-Prompt = str | Sequence[int]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """What one step did and how long it took."""
+@dataclass
+class _TextState:
+    """A live request's detokenizer and how much of its text has gone out in outputs."""
 
-    num_scheduled: int
-    num_batched_tokens: int
-    num_prefill_tokens: int
-    num_swapped_in_blocks: int
-    num_swapped_out_blocks: int
-    duration_s: float
-    preemptions: tuple[PreemptionEvent, ...] = ()
-    # Time spent moving blocks between the device and host pools.
-    swap_s: float = 0.0
-    # The type of the error the step's forward pass raised (the step changed nothing, and the engine backs off).
-    error: str | None = None
+    detokenizer: IncrementalDetokenizer
+    num_released_chars: int = 0
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache for one model.
+    """Continuous batching over a paged KV cache for one model (implements ``engine.core.interface.EngineClient``).
 
     ``add_request`` rejects (``ValueError``) a request that can never fit; it
     never fails later for lack of memory: it waits, is preempted, or runs.
+    Every finish is decided here, and each ``RequestOutput`` is built once, complete (``_output``).
     """
 
     PREEMPTION_LOG_SIZE = 10_000
@@ -83,33 +85,41 @@ class LLMEngine:
         start = time.perf_counter()
         self.tokenizer = tokenizer if tokenizer is not None or source.kind == "random" else source.load_tokenizer()
         self.load_timings["tokenizer_s"] = time.perf_counter() - start
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings, self.model_config.max_position_embeddings
-        )
 
         cache = config.cache
-        self.bytes_per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        num_device_blocks = cache.kv_cache_memory // self.bytes_per_block
+        bytes_per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
+        num_device_blocks = cache.kv_cache_memory // bytes_per_block
         if num_device_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {self.bytes_per_block} bytes"
-            )
-        num_host_blocks = cache.swap_space // self.bytes_per_block
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes")
+        num_host_blocks = cache.swap_space // bytes_per_block
         self.runner = ModelRunner(model, num_device_blocks, num_host_blocks, cache.block_size)
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
         )
         self.preemption_policy = PreemptionPolicy(
             config.scheduler.preemption_mode,
-            self.bytes_per_block,
+            bytes_per_block,
             copy_bytes_per_s=self.runner.measure_copy_bandwidth(),
             prefill_tokens_per_s=self.runner.measure_prefill_throughput(),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.preemption_policy, cache.watermark)
+        self.info = EngineInfo(
+            model=config.model,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=min(
+                config.max_model_len or self.model_config.max_position_embeddings,
+                self.model_config.max_position_embeddings,
+            ),
+            block_size=cache.block_size,
+            bytes_per_block=bytes_per_block,
+            attention_backend=type(model.backend).__name__,
+            matmul=self.runner.matmul,
+        )
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
         self.last_step: StepStats | None = None
-        # Per live request when the model has a tokenizer: the request and the detokenizer of its output.
-        self._detokenizers: dict[str, tuple[Request, IncrementalDetokenizer]] = {}
+        # Per live request when the model has a tokenizer.
+        self._texts: dict[str, _TextState] = {}
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -139,10 +149,10 @@ class LLMEngine:
         """
         prompt_ids = self._prompt_ids(prompt)
         total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if total > self.info.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the model's context of {self.max_model_len} tokens"
+                f"exceeds the model's context of {self.info.max_model_len} tokens"
             )
         blocks = num_blocks_for(total, self.config.cache.block_size)
         if blocks > self.kv_cache_manager.device_pool.num_blocks:
@@ -173,28 +183,35 @@ class LLMEngine:
         """Queue a request made by ``prepare_request``; ``ValueError`` if its id is already in use."""
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
-            self._detokenizers[request.request_id] = (request, IncrementalDetokenizer(self.tokenizer))
+            self._texts[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer))
 
-    def abort_request(self, request_id: str) -> str | None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort now: the request leaves its queue and its blocks are free before this returns.
 
-        Returns the phase the abort hit (see ``Request.phase``), or None if the request is unknown or done.
+        Returns its final output (``aborted_in`` says which phase the abort hit), or None if it is unknown or done.
         """
-        self._detokenizers.pop(request_id, None)
-        self.runner.release([request_id])
         request = self.scheduler.requests.get(request_id)
-        phase = request.phase if request is not None else None
-        self.scheduler.abort_request(request_id)
-        return phase
+        if request is None:
+            return None
+        phase = request.phase
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], aborted_in=phase)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def update_faults(self, **changes: object) -> dict[str, object]:
+        """Change the faults injected into the steps (``engine.faults``); ``ValueError`` for a bad one (nothing
+        changes); no changes to read them. Returns every fault's value."""
+        faults = self.runner.faults
+        faults.update(**changes)
+        return asdict(faults)
 
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration. A failure of the forward pass (out of memory, say) fails no request by itself: the step
-        changed nothing, and the next steps are smaller until they succeed (``engine.step_back_off``)."""
+        changed nothing, and the next steps are smaller until they succeed (``engine.core.step_back_off``)."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         swap_s = self.runner.move_blocks(scheduler_output)
@@ -208,22 +225,106 @@ class LLMEngine:
                 type(error).__name__,
                 error,
             )
-            outputs = self.scheduler.step_failed(scheduler_output, error)
-            self._end_step(scheduler_output, outputs, start, swap_s, type(error).__name__)
+            outputs = self._give_up_after_failure(scheduler_output, error)
+            self._record(scheduler_output, time.perf_counter() - start, swap_s, type(error).__name__)
             return outputs
-        outputs = self.scheduler.update_from_output(scheduler_output, result.sampled)
-        if result.logprobs:
-            outputs = [
-                replace(o, logprobs=(result.logprobs[o.request_id],)) if o.request_id in result.logprobs else o
-                for o in outputs
-            ]
-        if self._detokenizers:
-            outputs = [self._detokenize(o) for o in outputs]
-        self._end_step(scheduler_output, outputs, start, swap_s)
+        advanced = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        outputs = [self._advance(request, result.logprobs.get(request.request_id)) for request in advanced]
+        self._record(scheduler_output, time.perf_counter() - start, swap_s)
         return outputs
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def snapshot(self, include_requests: bool = False) -> EngineSnapshot:
+        """The engine between two steps; ``include_requests`` adds every live request (costs a walk over them)."""
+        requests = None
+        if include_requests:
+            requests = tuple(
+                RequestSnapshot(
+                    request_id=r.request_id,
+                    phase=r.phase,
+                    num_prompt_tokens=r.num_prompt_tokens,
+                    num_computed_tokens=r.num_computed_tokens,
+                    num_output_tokens=r.num_output_tokens,
+                    max_tokens=r.sampling_params.max_tokens,
+                    num_preemptions=r.num_preemptions,
+                )
+                for r in self.scheduler.requests.values()
+            )
+        return EngineSnapshot(
+            stats=self.scheduler.stats(),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
+            prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
+            active_faults=self.runner.faults.active(),
+            last_step=self.last_step,
+            requests=requests,
+        )
+
+    # ---- finishing: the one place --------------------------------------------------------
+
+    def _advance(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """The request got a token: decode it, decide whether the request is done, and say so in one output."""
+        token_id = request.output_token_ids[-1]
+        text = self._texts.get(request.request_id)
+        num_new_chars = 0
+        if text is not None:
+            new_text = text.detokenizer.push(token_id)
+            request.output_text += new_text
+            num_new_chars = len(new_text)
+        stop = check_stop(request, num_new_chars)
+        if stop is not None:
+            if stop.text_end is not None:
+                request.output_text = request.output_text[: stop.text_end]
+            request.stop_reason = stop.reason
+            self._finish(request, stop.status)
+        return self._output(request, [token_id], (logprobs,) if logprobs is not None else None)
+
+    def _give_up_after_failure(self, output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        request = self.scheduler.step_failed(output)
+        if request is None:
+            return []
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        message = (
+            f"the engine gave up on this request after {self.scheduler.back_off.max_failures_alone} failed steps in "
+            f"which it ran alone; last error: {type(error).__name__}: {error}"
+        )
+        return [self._output(request, [], error=message)]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish_request(request.request_id, status)
+        self.runner.release([request.request_id])
+
+    def _output(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
+        error: str | None = None,
+        aborted_in: str | None = None,
+    ) -> RequestOutput:
+        """The request's output for what just happened to it, complete: its new tokens, the text they release
+        (``engine.core.stopping``) and, once finished, why."""
+        new_text = ""
+        text = self._texts.get(request.request_id)
+        if text is not None:
+            end = releasable_text_end(request.output_text, request.sampling_params.stop, request.is_finished)
+            new_text = request.output_text[text.num_released_chars : end]
+            text.num_released_chars = max(text.num_released_chars, end)
+            if request.is_finished:
+                del self._texts[request.request_id]
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=request.status.value if request.is_finished else None,
+            stop_reason=request.stop_reason,
+            error=error,
+            logprobs=logprobs,
+            new_text=new_text,
+            aborted_in=aborted_in,
+        )
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -242,39 +343,9 @@ class LLMEngine:
             raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
         return prompt_ids
 
-    def _detokenize(self, output: RequestOutput) -> RequestOutput:
-        """Decode the output's new tokens once, for every consumer; end the request if a stop string appeared."""
-        request, detokenizer = self._detokenizers[output.request_id]
-        new_text = "".join(detokenizer.push(token_id) for token_id in output.new_token_ids)
-        stop = request.sampling_params.stop
-        # Text already searched cannot hold a match, except one that ends in the new text.
-        search_from = max(0, len(request.output_text) - max(map(len, stop), default=0) + 1)
-        request.output_text += new_text
-        output = replace(output, new_text=new_text)
-        found = [(pos, s) for s in stop if (pos := request.output_text.find(s, search_from)) >= 0]
-        if found and not output.finished:
-            matched = min(found)[1]
-            self.scheduler.finish_request(output.request_id, RequestStatus.FINISHED_STOPPED, matched)
-            output = replace(output, finish_reason=RequestStatus.FINISHED_STOPPED.value, stop_reason=matched)
-        return output
-
-    def _end_step(
-        self,
-        output: SchedulerOutput,
-        outputs: list[RequestOutput],
-        start: float,
-        swap_s: float,
-        error: str | None = None,
-    ) -> None:
-        finished = [o.request_id for o in outputs if o.finished]
-        self.runner.release(finished)
-        for request_id in finished:
-            self._detokenizers.pop(request_id, None)
+    def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float, error: str | None = None) -> None:
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
-        self._record(output, time.perf_counter() - start, swap_s, error)
-
-    def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float, error: str | None) -> None:
         num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
         self.preemption_log.extend(output.preemptions)
         if error is None and num_prefill > output.num_batched_tokens // 2:
@@ -339,7 +410,7 @@ class LLM:
                 request_id=r.request_id,
                 prompt_token_ids=r.prompt_token_ids,
                 token_ids=r.output_token_ids,
-                text=_visible_text(r) if has_text else None,
+                text=r.output_text if has_text else None,
                 finish_reason=final[r.request_id].finish_reason,
                 stop_reason=r.stop_reason,
                 num_preemptions=r.num_preemptions,
@@ -347,11 +418,3 @@ class LLM:
             )
             for r in requests
         ]
-
-
-def _visible_text(request: Request) -> str:
-    """Decoded output, cut before the stop string that ended it."""
-    text = request.output_text
-    if isinstance(request.stop_reason, str):
-        text = text[: text.find(request.stop_reason)]
-    return text

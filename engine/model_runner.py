@@ -12,10 +12,10 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
+from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.faults import StepFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
-from engine.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.sampling import compute_logprobs, make_generator, sample
 
 
@@ -47,15 +47,13 @@ class ModelRunner:
         self.faults = StepFaults()
 
     def move_blocks(self, output: SchedulerOutput) -> float:
-        """The step's swaps and copies (before its forward pass); returns the seconds the swaps took."""
+        """The step's swaps (before its forward pass); returns the seconds they took."""
         start = time.perf_counter()
         self.swap_out(output.blocks_to_swap_out)
         self.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_swap_out or output.blocks_to_swap_in:
             self._synchronize()
-        swap_s = time.perf_counter() - start
-        move_blocks(self.device_cache, self.device_cache, output.blocks_to_copy, self.model.backend)
-        return swap_s
+        return time.perf_counter() - start
 
     def execute(self, output: SchedulerOutput) -> ExecuteResult:
         """The step's forward pass, once its blocks are in place: the sampled token of every request that
@@ -120,7 +118,7 @@ class ModelRunner:
         """Tokens/s of one prefill of ``num_tokens`` tokens (writes only blocks no request owns yet)."""
         num_tokens = min(num_tokens, self.device_cache.num_blocks * self.block_size)
         blocks = list(range(-(-num_tokens // self.block_size)))
-        chunk = ScheduledRequest(token_ids=[0] * num_tokens, num_computed_tokens=0, block_ids=blocks)
+        chunk = ScheduledRequest("prefill-probe", token_ids=[0] * num_tokens, num_computed_tokens=0, block_ids=blocks)
         self.forward([chunk], positions_to_keep=[True])  # warm-up
         self._synchronize()
         start = time.perf_counter()

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.core.outputs import TokenLogprobs
+from engine.core.sampling_params import SamplingParams
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -1,7 +1,7 @@
 """The ``kvstorm`` command: one entry point, one subcommand per job.
 
-Each package registers its own subcommands, so this module is the only place
-that knows about all of them.
+The dispatcher owns every subcommand (``engine_commands``, ``bench/``): the packages it drives (engine, loadgen)
+know nothing of the command line, and this package is the only one that imports them all.
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import argparse
 import sys
 import time
 
-from engine.cli import add_bench_offline_parser, add_generate_parser, add_serve_parser, run_bench_offline
-from kvstorm.benchdoc import update_section
-from loadgen.cli import (
+from kvstorm.bench.doc import update_section
+from kvstorm.bench.offline import add_bench_offline_parser, run_bench_offline
+from kvstorm.bench.serve import (
     add_bench_client_capacity_parser,
     add_bench_serve_parser,
     run_bench_client_capacity,
     run_bench_serve,
 )
+from kvstorm.engine_commands import add_generate_parser, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

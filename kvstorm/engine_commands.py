@@ -1,27 +1,22 @@
-"""Engine subcommands of the ``kvstorm`` command line."""
+"""``kvstorm generate`` and ``kvstorm serve``, and the engine's argument group (shared with ``bench offline``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import signal
 import sys
 import time
-from pathlib import Path
 
-from engine.async_engine import AdmissionLimits, AsyncEngine
 from engine.attention.selector import BACKENDS
-from engine.bench_offline import PEER_MODEL, run_offline_bench
-from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.metrics import EngineMetrics
-from engine.model.tokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
-from engine.server import ServerConfig, create_app, start_server
-from kvstorm.benchdoc import BenchReport
+from engine.serving.async_engine import AdmissionLimits, AsyncEngine
+from engine.serving.metrics import EngineMetrics
+from engine.serving.server import ServerConfig, create_app, start_server
 
 ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
 
@@ -115,17 +110,15 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model!r} has no tokenizer; generate needs text")
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     request = engine.add_request(prompt, params)
-    detokenizer = IncrementalDetokenizer(tokenizer)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for output in engine.step():
-            for token_id in output.new_token_ids:
-                sys.stdout.write(detokenizer.push(token_id))
+            sys.stdout.write(output.new_text)
             sys.stdout.flush()
     generate_s = time.perf_counter() - start
     sys.stdout.write("\n")
     print(
-        f"[{args.model} on {engine.device} {str(engine.dtype).removeprefix('torch.')}: "
+        f"[{args.model} on {engine.info.device} {engine.info.dtype}: "
         f"model loaded in {engine.load_timings['model_s']:.2f} s, tokenizer in "
         f"{engine.load_timings['tokenizer_s']:.2f} s, engine ready in {load_s:.2f} s, "
         f"{request.num_prompt_tokens} prompt + {request.num_output_tokens} generated tokens in {generate_s:.2f} s "
@@ -134,41 +127,6 @@ def run_generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> None:
-    parser = bench_subparsers.add_parser(
-        "offline", help="w1-throughput: kvstorm vs transformers static and continuous batching, one run"
-    )
-    add_engine_arguments(parser)
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes ('' for none)")
-    parser.add_argument(
-        "--no-continuous", action="store_true", help="skip transformers' continuous batching (the slowest peer)"
-    )
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per system before it is killed")
-    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
-    parser.set_defaults(kv_cache_memory=parse_bytes("4GiB"), swap_space=0)
-
-
-def run_bench_offline(args: argparse.Namespace) -> BenchReport:
-    static_batch_sizes = [int(size) for size in args.static_batch_sizes.split(",") if size]
-    if args.model != PEER_MODEL and (static_batch_sizes or not args.no_continuous):
-        raise ValueError(
-            f"the transformers peers run {PEER_MODEL} only; with --model {args.model} pass "
-            "--static-batch-sizes '' --no-continuous"
-        )
-    options = engine_options_from_args(args)
-    report = run_offline_bench(
-        num_requests=args.num_requests,
-        kvstorm_options=options,
-        static_batch_sizes=static_batch_sizes,
-        include_continuous=not args.no_continuous,
-        timeout_s=args.timeout,
-    )
-    if args.json is not None:
-        args.json.write_text(json.dumps(report.data, indent=2))
-    return report
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
 """One serving benchmark from its configuration to its :class:`RunResult`: plan, run open-loop, summarize, fetch
-the server's Prometheus series. The library entry point behind ``kvstorm bench serve`` (the chaos runner calls it
-too, with its fault windows)."""
+the server's Prometheus series. The library entry point behind ``kvstorm bench serve``; a caller that injects faults
+passes their windows, and the report draws them."""
 
 from __future__ import annotations
 

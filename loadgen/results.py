@@ -13,7 +13,7 @@ from loadgen.records import RequestRecord
 
 
 class FaultWindow(BaseModel):
-    """A fault that was active during the run (a chaos experiment's timeline), in wall-clock seconds."""
+    """A fault that was active during the run, in wall-clock seconds."""
 
     name: str
     start_unix: float
@@ -68,5 +68,5 @@ class RunResult(BaseModel):
 
 
 def read_fault_windows(path: Path) -> list[FaultWindow]:
-    """A JSON list of ``{"name", "start_unix", "end_unix"}`` objects (what a chaos runner records)."""
+    """A JSON list of ``{"name", "start_unix", "end_unix"}`` objects."""
     return [FaultWindow.model_validate(item) for item in json.loads(path.read_text())]

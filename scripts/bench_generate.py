@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.bench_process import run_child
-from kvstorm.benchdoc import update_section
+from kvstorm.bench.doc import update_section
+from kvstorm.bench.process import run_child
 
 PROMPT = "What is the capital of France? Answer in one sentence."
 MAX_TOKENS = 64

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine.model.packed_linear import PackedLinear
 from engine.model.registry import resolve_model
-from kvstorm.benchdoc import update_section
+from kvstorm.bench.doc import update_section
 
 
 def layer_shapes() -> dict[str, tuple[int, int]]:

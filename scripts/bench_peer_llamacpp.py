@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from engine.model.registry import resolve_model
-from kvstorm.benchdoc import update_section
+from kvstorm.bench.doc import update_section
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 

@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 
-from engine.bench_offline import w1_throughput
-from engine.bench_process import run_child
-from kvstorm.benchdoc import update_section
+from kvstorm.bench.doc import update_section
+from kvstorm.bench.process import run_child
+from kvstorm.bench.w1 import w1_throughput
 from loadgen.analysis import LatencyStats, Summary, summarize
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome
@@ -34,7 +34,8 @@ from loadgen.workloads import PlannedRequest
 ENGINE_ARGS = ["--model", "smollm2-135m", "--kv-cache-memory", "4GiB", "--swap-space", "0", "--max-num-seqs", "256"]
 OFFLINE_SCRIPT = """
 import json, sys
-from engine.bench_offline import run_kvstorm, w1_throughput
+from kvstorm.bench.offline import run_kvstorm
+from kvstorm.bench.w1 import w1_throughput
 options = dict(kv_cache_memory=4 << 30, swap_space=0, max_num_seqs=256)
 print("RESULT", json.dumps(run_kvstorm(w1_throughput(int(sys.argv[1])), options)))
 """

@@ -10,7 +10,7 @@ import requests
 
 from loadgen.records import Outcome
 from loadgen.results import RunResult
-from tests.engine.server.conftest import make_engine, metric_value, running_server
+from tests.engine.serving.conftest import make_engine, metric_value, running_server
 from tests.loadgen.conftest import run_bench_serve
 
 OUTPUT_TOKENS = 6

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from engine.attention.backend import AttentionBackend, KVCacheLayer
-from engine.model.config import ModelConfig
 
 
-def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+class KVCacheShape(Protocol):
+    """What the cache's layout needs of a model (``engine.model.config.ModelConfig`` has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def kv_cache_bytes_per_block(config: KVCacheShape, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block occupies across all layers, K and V together."""
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element_size
@@ -26,7 +34,7 @@ class PagedKVCache:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: KVCacheShape,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,

@@ -1,8 +1,9 @@
 """A pool of fixed-size KV blocks: which are free, and how many owners each used block has.
 
 Pure bookkeeping (no tensors): the device pool and the host swap pool are two
-instances. Ref counts make sharing (copy-on-write, prefix reuse) a matter of
-``share``; a block returns to the free queue when its last owner frees it.
+instances. Each used block has one owner today; the ref counts are kept anyway, so
+the invariant check catches a block that two block tables hold, and so sharing
+(prefix reuse, copy-on-write) has its counts in place when it comes.
 """
 
 from __future__ import annotations
@@ -41,13 +42,6 @@ class BlockPool:
         for block_id in block_ids:
             self._ref_counts[block_id] = 1
         return block_ids
-
-    def share(self, block_ids: Iterable[int]) -> None:
-        """Add an owner to blocks that are already in use."""
-        for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
-                raise ValueError(f"{self.name} block {block_id} is free and cannot be shared")
-            self._ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner from each block; blocks with no owner left become free."""

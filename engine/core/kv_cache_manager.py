@@ -12,7 +12,7 @@ model runner copies; the manager never touches the data.
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

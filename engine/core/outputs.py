@@ -1,14 +1,15 @@
-"""Plain data that crosses module boundaries: the scheduler's decisions, step results, stats.
+"""Plain data that crosses module boundaries: the scheduler's decisions, step results, stats, snapshots.
 
-No torch here: the scheduler emits these, the model runner turns them into tensors.
+No torch here: the scheduler emits these, the model runner turns them into tensors, and the serving layer reads
+the engine through them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import PreemptionMode
-from engine.sampling_params import SamplingParams
+from engine.core.config import PreemptionMode
+from engine.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -21,10 +22,10 @@ class ScheduledRequest:
     samples its next one.
     """
 
+    request_id: str
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
-    request_id: str = ""
     needs_sample: bool = True
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     # Stop tokens masked out of this step's sampling (min_tokens not reached yet).
@@ -48,12 +49,11 @@ class PreemptionEvent:
 
 @dataclass
 class SchedulerOutput:
-    """Everything the model runner must do this step, in order: swap out, swap in, copy, run."""
+    """Everything the model runner must do this step, in order: swap out, swap in, run."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (device src, device dst)
     preemptions: list[PreemptionEvent] = field(default_factory=list)
 
     @property
@@ -95,8 +95,11 @@ class RequestOutput:
     error: str | None = None
     # One entry per new token when the request asked for logprobs.
     logprobs: tuple[TokenLogprobs, ...] | None = None
-    # The text the new tokens complete (empty while a character is still partial, or without a tokenizer).
+    # Text released by the new tokens: what they complete, less a tail that may begin a stop string (held back
+    # until it is decided), never a stop string itself; empty without a tokenizer.
     new_text: str = ""
+    # The phase (``Request.phase``) an abort hit.
+    aborted_in: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -116,3 +119,64 @@ class SchedulerStats:
     # The batch a step may take now: the configured one, or less while backing off after failed steps.
     max_num_seqs_now: int
     max_num_batched_tokens_now: int
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did and how long it took."""
+
+    num_scheduled: int
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_swapped_in_blocks: int
+    num_swapped_out_blocks: int
+    duration_s: float
+    preemptions: tuple[PreemptionEvent, ...] = ()
+    # Time spent moving blocks between the device and host pools.
+    swap_s: float = 0.0
+    # The type of the error the step's forward pass raised (the step changed nothing, and the engine backs off).
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One live request as the engine last left it."""
+
+    request_id: str
+    phase: str  # see Request.phase
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine between two steps, as plain data: everything the serving layer may know about its state."""
+
+    stats: SchedulerStats
+    # Tokens the waiting requests still need computed (prompts, or prompt + output after a recompute preemption).
+    num_waiting_tokens: int
+    # Prefill throughput the engine measures as it runs (tokens/s), for queue-time estimates.
+    prefill_tokens_per_s: float
+    # Every run-time fault and whether it is active now (engine.faults).
+    active_faults: dict[str, bool]
+    last_step: StepStats | None = None
+    # Only when asked for (it walks every live request).
+    requests: tuple[RequestSnapshot, ...] | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What does not change while the engine runs."""
+
+    model: str
+    device: str
+    dtype: str
+    max_model_len: int
+    block_size: int
+    bytes_per_block: int
+    attention_backend: str
+    # How the linear layers multiply: "onednn-packed" or "torch".
+    matmul: str

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import PreemptionMode
+from engine.core.config import PreemptionMode
 
 
 class PreemptionPolicy:

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -16,7 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # the engine gave up on it (engine.step_back_off)
+    FINISHED_ERROR = "error"  # the engine gave up on it (engine.core.step_back_off)
 
     @property
     def is_finished(self) -> bool:

@@ -14,7 +14,7 @@ three phases:
    watermark.
 
 The output is plain data (``SchedulerOutput``); the model runner executes it.
-After a step fails, the steps that follow are smaller (``engine.step_back_off``).
+After a step fails, the steps that follow are smaller (``engine.core.step_back_off``).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.config import PreemptionMode, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager, num_blocks_for
-from engine.outputs import PreemptionEvent, RequestOutput, ScheduledRequest, SchedulerOutput, SchedulerStats
-from engine.preemption import PreemptionPolicy
-from engine.request import Request, RequestStatus
-from engine.step_back_off import StepBackOff
+from engine.core.config import PreemptionMode, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
+from engine.core.outputs import PreemptionEvent, ScheduledRequest, SchedulerOutput, SchedulerStats
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import Request, RequestStatus
+from engine.core.step_back_off import StepBackOff
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Scheduler:
     """Owns the waiting, running and swapped queues (each ordered by arrival).
 
     Finished or aborted requests leave every queue and return their blocks at
-    once (in ``update_from_output`` or ``abort_request``).
+    once (``finish_request``, ``abort_request``).
     """
 
     def __init__(
@@ -84,17 +84,14 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         """Drop the request from every queue and free its blocks now; False if it is unknown or done."""
-        request = self.requests.get(request_id)
-        if request is None:
+        if request_id not in self.requests:
             return False
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return True
 
-    def finish_request(self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None) -> None:
-        """End a request the engine decided is done (e.g. a stop string matched)."""
-        request = self.requests[request_id]
-        request.stop_reason = stop_reason
-        self._finish(request, status)
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request the engine decided is done: it leaves its queue and its blocks are free."""
+        self._finish(self.requests[request_id], status)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -112,56 +109,29 @@ class Scheduler:
                 self._schedule_waiting(budget, output)
         return output
 
-    def step_failed(self, output: SchedulerOutput, error: BaseException) -> list[RequestOutput]:
-        """The step ``output`` raised ``error`` and changed nothing: back off, and end the one request the
-        back-off gives up on (if it does) with finish reason ``error``."""
+    def step_failed(self, output: SchedulerOutput) -> Request | None:
+        """The step ``output`` raised and changed nothing: back off. Returns the request the back-off gives up on
+        (it failed alone in the smallest step too often), if any; the engine finishes it."""
         if not self.back_off.on_failure(len(output.scheduled), output.num_batched_tokens):
-            return []
-        request = self.requests[output.scheduled[0].request_id]
-        message = (
-            f"the engine gave up on this request after {self.back_off.max_failures_alone} failed steps in which it "
-            f"ran alone; last error: {type(error).__name__}: {error}"
-        )
-        self._finish(request, RequestStatus.FINISHED_ERROR)
-        return [
-            RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens,
-                finish_reason=RequestStatus.FINISHED_ERROR.value,
-                error=message,
-            )
-        ]
+            return None
+        return self.requests[output.scheduled[0].request_id]
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
-        """Advance every scheduled request; append sampled tokens; finish and free what is done."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request and append its sampled token; returns the requests that got one, in
+        batch order. Whether one of them is done is the engine's decision (``engine.core.stopping``)."""
         self.back_off.on_success()
         now = time.monotonic()
-        results = []
+        advanced = []
         for scheduled in output.scheduled:
             request = self.requests[scheduled.request_id]
             request.num_computed_tokens += scheduled.num_new_tokens
             if not scheduled.needs_sample:
                 continue
-            token_id = sampled[request.request_id]
-            request.output_token_ids.append(token_id)
+            request.output_token_ids.append(sampled[request.request_id])
             if request.first_token_ts is None:
                 request.first_token_ts = now
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self._finish(request, status)
-            results.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[token_id],
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
-                    finish_reason=status.value if status else None,
-                    stop_reason=request.stop_reason,
-                )
-            )
-        return results
+            advanced.append(request)
+        return advanced
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -290,19 +260,6 @@ class Scheduler:
             )
         )
         return victim
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        is_stop_token = token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in request.eos_token_ids
-        )
-        # The token just appended was sampled after num_output_tokens - 1 others: allowed once that reached min_tokens.
-        if is_stop_token and request.num_output_tokens > params.min_tokens:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         queues = {

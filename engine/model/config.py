@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +118,6 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
         }
-
-    def with_overrides(self, **changes: Any) -> ModelConfig:
-        return replace(self, **changes)
 
 
 HF_ARCHITECTURES = {

@@ -11,8 +11,8 @@ import hmac
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine
-from engine.protocol import ApiError
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.protocol import ApiError
 
 
 def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:

@@ -31,11 +31,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.llm_engine import LLMEngine, Prompt
-from engine.metrics import EngineMetrics
-from engine.outputs import RequestOutput, SchedulerStats
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from engine.core.interface import EngineClient, Prompt
+from engine.core.outputs import EngineSnapshot, RequestOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -71,14 +71,6 @@ class AdmissionLimits:
             raise ValueError(f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
         if self.max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Queue state as of the last loop iteration, published for the HTTP side."""
-
-    stats: SchedulerStats
-    num_waiting_tokens: int
 
 
 class RequestStream:
@@ -117,14 +109,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Runs ``LLMEngine`` continuously in a thread; ``submit`` returns a ``RequestStream``.
+    """Runs an engine (``EngineClient``) continuously in a thread; ``submit`` returns a ``RequestStream``.
 
     ``pause`` freezes the loop between steps (nothing is taken from the inbox, no step
     runs) and ``step`` lets a paused loop run a given number of iterations: the hooks a
     fault injector or a test uses to wedge the engine or walk it step by step.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics, limits: AdmissionLimits | None = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: EngineMetrics, limits: AdmissionLimits | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or AdmissionLimits()
@@ -138,8 +130,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_iterations = 0
         self.last_progress_ts = time.monotonic()
-        self.snapshot = EngineSnapshot(engine.stats(), 0)
-        metrics.observe_queues(self.snapshot.stats)
+        # The engine as of the last loop iteration, published for the HTTP side.
+        self.snapshot: EngineSnapshot = engine.snapshot()
+        self._publish(self.snapshot)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -196,7 +189,7 @@ class AsyncEngine:
 
     def estimated_queue_delay_s(self, num_waiting_tokens: int) -> float:
         """Time to prefill what waits ahead, at the prefill throughput the engine measures as it runs."""
-        return num_waiting_tokens / self.engine.preemption_policy.prefill_tokens_per_s
+        return num_waiting_tokens / self.snapshot.prefill_tokens_per_s
 
     def overload_reasons(self) -> list[str]:
         """Why a new request would be refused now; empty when it would be admitted."""
@@ -245,10 +238,9 @@ class AsyncEngine:
         """Change the faults injected into the engine's steps (``engine.faults``; ``ValueError`` for a bad one;
         no changes to read them); returns them all. Waits for the step in progress."""
         with self._engine_lock:
-            faults = self.engine.runner.faults
-            faults.update(**changes)
-            self._publish_faults()
-            return dataclasses.asdict(faults)
+            faults = self.engine.update_faults(**changes)
+            self._publish(self.engine.snapshot())
+            return faults
 
     @property
     def is_paused(self) -> bool:
@@ -268,26 +260,18 @@ class AsyncEngine:
     def describe(self) -> dict[str, object]:
         """Pools, queues and every live request's phase; blocks until the current step ends (run it off-loop)."""
         with self._engine_lock:
-            requests = {
-                request_id: {
-                    "phase": request.phase,
-                    "num_prompt_tokens": request.num_prompt_tokens,
-                    "num_computed_tokens": request.num_computed_tokens,
-                    "num_output_tokens": request.num_output_tokens,
-                    "max_tokens": request.sampling_params.max_tokens,
-                    "num_preemptions": request.num_preemptions,
-                }
-                for request_id, request in self.engine.scheduler.requests.items()
-            }
-            stats = self.engine.stats()
+            snapshot = self.engine.snapshot(include_requests=True)
         with self._cond:
             pending = [(kind, item if isinstance(item, str) else item.request_id) for kind, item in self._inbox]
         return {
             "paused": self.is_paused,
             "num_iterations": self.num_iterations,
             "num_in_flight": self.num_in_flight,
-            "stats": dataclasses.asdict(stats),
-            "requests": requests,
+            "stats": dataclasses.asdict(snapshot.stats),
+            "requests": {
+                r.request_id: {k: v for k, v in dataclasses.asdict(r).items() if k != "request_id"}
+                for r in snapshot.requests
+            },
             "pending_adds": [request_id for kind, request_id in pending if kind == "add"],
             "pending_aborts": [request_id for kind, request_id in pending if kind == "abort"],
         }
@@ -318,9 +302,11 @@ class AsyncEngine:
             deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
             with self._engine_lock:
                 self._apply(commands, deliveries)
-                if self.engine.has_unfinished_requests():
-                    self._step(deliveries)
-                self._publish_snapshot()
+                stepped = self.engine.has_unfinished_requests() and self._step(deliveries)
+                snapshot = self.engine.snapshot()
+                if stepped and snapshot.last_step is not None:
+                    self.metrics.observe_step(snapshot.last_step, self.engine.info.bytes_per_block)
+                self._publish(snapshot)
             self.last_progress_ts = time.monotonic()
             self.num_iterations += 1
             if deliveries:
@@ -340,32 +326,30 @@ class AsyncEngine:
                 self._abort(item, "client", deliveries)
 
     def _abort(self, request_id: str, reason: str, deliveries) -> None:
-        phase = self.engine.abort_request(request_id)
+        final = self.engine.abort_request(request_id)
         with self._cond:
             stream = self._streams.pop(request_id, None)
-        if phase is None or stream is None:  # finished before the abort arrived
+        if final is None or stream is None:  # finished before the abort arrived
             return
-        self.metrics.observe_abort(phase, reason)
-        self.metrics.observe_finished(stream.request, "abort", time.monotonic())
-        request = stream.request
-        final = RequestOutput(request_id, [], request.num_prompt_tokens, request.num_output_tokens, "abort")
+        self.metrics.observe_abort(final.aborted_in, reason)
+        self.metrics.observe_finished(stream.request, final.finish_reason, time.monotonic())
         deliveries.append((stream, final))
 
-    def _step(self, deliveries) -> None:
+    def _step(self, deliveries) -> bool:
+        """One engine step and its deliveries; False if the step raised (every request in flight then ends)."""
         try:
             outputs = self.engine.step()
         except Exception as error:  # any failure of a step ends the requests in flight, not the loop
             logger.exception("engine step failed; ending every request in flight")
             self._fail_all(f"engine step failed: {type(error).__name__}: {error}", deliveries)
-            return
-        if self.engine.last_step is not None:
-            self.metrics.observe_step(self.engine.last_step, self.engine.bytes_per_block)
+            return False
         now = time.monotonic()
         with self._cond:  # once per step, not per output
             streams = [self._streams.get(output.request_id) for output in outputs]
         for output, stream in zip(outputs, streams, strict=True):
             if stream is not None:
                 self._deliver_output(stream, output, now, deliveries)
+        return True
 
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
         if output.new_token_ids:
@@ -400,15 +384,10 @@ class AsyncEngine:
             self.metrics.observe_finished(stream.request, "error", now)
             deliveries.append((stream, EngineFailure(message)))
 
-    def _publish_snapshot(self) -> None:
-        stats = self.engine.stats()
-        waiting = self.engine.scheduler.waiting
-        self.snapshot = EngineSnapshot(stats, sum(r.num_tokens - r.num_computed_tokens for r in waiting))
-        self.metrics.observe_queues(stats)
-        self._publish_faults()
-
-    def _publish_faults(self) -> None:
-        for fault, active in self.engine.runner.faults.active().items():
+    def _publish(self, snapshot: EngineSnapshot) -> None:
+        self.snapshot = snapshot
+        self.metrics.observe_queues(snapshot.stats)
+        for fault, active in snapshot.active_faults.items():
             self.metrics.set_fault(fault, active)
 
 

@@ -11,9 +11,8 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from engine.llm_engine import StepStats
-from engine.outputs import SchedulerStats
-from engine.request import Request
+from engine.core.outputs import SchedulerStats, StepStats
+from engine.core.request import Request
 
 # The latency thresholds the default SLOs use (seconds). Each must be a bucket boundary: a
 # quantile or "fraction under X" can only be read from a histogram at an existing `le`.

@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from engine.admin import admin_routes
-from engine.async_engine import AdmissionRefused, AsyncEngine, EngineFailure, RequestStream
-from engine.outputs import RequestOutput
-from engine.protocol import (
+from engine.core.outputs import RequestOutput
+from engine.core.sampling_params import SamplingParams
+from engine.serving.admin import admin_routes
+from engine.serving.async_engine import AdmissionRefused, AsyncEngine, EngineFailure, RequestStream
+from engine.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,8 +38,7 @@ from engine.protocol import (
     api_error_from_validation,
     openapi_document,
 )
-from engine.sampling_params import SamplingParams
-from engine.streaming import ChoiceAssembler, final_response, role_chunk, token_chunk, usage_chunk
+from engine.serving.streaming import ChoiceAssembler, final_response, role_chunk, token_chunk, usage_chunk
 
 logger = logging.getLogger(__name__)
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
@@ -176,7 +176,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token ids")
     try:
         prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
-        default_max_tokens = max(1, async_engine.engine.max_model_len - len(prompt_ids))
+        default_max_tokens = max(1, async_engine.engine.info.max_model_len - len(prompt_ids))
         params = body.sampling_params(default_max_tokens)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
@@ -206,7 +206,7 @@ async def _generate(
     streams = _submit_all(async_engine, response_id, prompts, params_list)
     tokenizer = async_engine.engine.tokenizer
     is_chat = isinstance(body, ChatCompletionRequest)
-    assemblers = [ChoiceAssembler(tokenizer, p.stop, is_chat) for p in params_list]
+    assemblers = [ChoiceAssembler(tokenizer, is_chat) for _ in params_list]
     created = int(time.time())
     model = request.app[SERVER_CONFIG].served_model_name
     try:
@@ -385,7 +385,7 @@ async def _ready(request: web.Request) -> web.Response:
 async def _models(request: web.Request) -> web.Response:
     config = request.app[SERVER_CONFIG]
     engine = request.app[ASYNC_ENGINE].engine
-    card = ModelCard(id=config.served_model_name, created=int(time.time()), max_model_len=engine.max_model_len)
+    card = ModelCard(id=config.served_model_name, created=int(time.time()), max_model_len=engine.info.max_model_len)
     return web.json_response(ModelList(data=[card]).model_dump())
 
 

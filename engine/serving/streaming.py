@@ -1,11 +1,7 @@
-"""From a request's token outputs to OpenAI choices: text deltas, stop-string hold-back, logprobs, chunks.
+"""From a request's outputs to OpenAI choices: text deltas, logprobs in each endpoint's shape, chunks.
 
-A stop string may arrive split over several tokens; until the engine says whether
-it completes, the tail of the text that could be its beginning is held back, so
-a stop string never leaks into a stream::
-
-    stop = "\\n\\nQ:"     text so far = "... the answer.\\n\\n"
-                                          sent ---------^ held back: "\\n\\n"
+The engine releases text that is final (``engine.core.stopping`` holds back a tail that may begin a stop string and
+never releases the stop string itself), so a choice only appends what each output brings.
 """
 
 from __future__ import annotations
@@ -13,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.model.tokenizer import Tokenizer
-from engine.outputs import RequestOutput, TokenLogprobs
-from engine.protocol import (
+from engine.core.interface import TextTokenizer
+from engine.core.outputs import RequestOutput, TokenLogprobs
+from engine.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,52 +28,28 @@ from engine.protocol import (
 
 
 class ChoiceAssembler:
-    """One choice: the text sent so far, its logprobs, its finish reason and token counts."""
+    """One choice: its text, its logprobs, its finish reason and token counts."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: tuple[str, ...], chat: bool) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None, chat: bool) -> None:
         self.tokenizer = tokenizer  # names the tokens of logprobs; the engine decodes the text
-        self.stop = stop
         self.chat = chat  # which OpenAI shape its logprobs take
-        self.decoded = ""  # everything decoded, including a held-back tail
-        self.num_sent = 0
+        self.text = ""
         self.logprobs: list[TokenLogprobs] | None = None  # every token's, once the request's outputs carry them
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
 
-    @property
-    def text(self) -> str:
-        return self.decoded[: self.num_sent]
-
     def push(self, output: RequestOutput) -> tuple[str, tuple[TokenLogprobs, ...]]:
-        """The text delta this output releases, and its tokens' logprobs (none unless the request asked)."""
+        """The text delta this output brings, and its tokens' logprobs (none unless the request asked)."""
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
         self.finish_reason = output.finish_reason
-        self.decoded += output.new_text
-        if isinstance(output.stop_reason, str) and output.finished:
-            end = self.decoded.find(output.stop_reason)
-        elif output.finished:
-            end = len(self.decoded)
-        else:
-            end = len(self.decoded) - self._partial_stop_length()
-        delta = self.decoded[self.num_sent : end] if end > self.num_sent else ""
-        self.num_sent = max(self.num_sent, end)
+        self.text += output.new_text
         if output.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(output.logprobs)
-        return delta, output.logprobs or ()
-
-    def _partial_stop_length(self) -> int:
-        """Length of the longest tail of the text that is the beginning of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(self.decoded)), longest, -1):
-                if self.decoded.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return output.new_text, output.logprobs or ()
 
     def format_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs | ChatLogprobs:
         """``values`` in this choice's endpoint's shape."""

@@ -5,18 +5,15 @@ measures this CPU's float32 matmul rate (the roofline: the faster of torch.mm an
 prepacked oneDNN matmul the engine uses) and counts the FLOPs the
 workload needs.
 
-Workload w1-throughput: 128 requests of random token ids (100..49000, below the vocabulary), prompt
-lengths uniform in [64, 512], output lengths uniform in [32, 256], greedy,
-ignore_eos (every request produces exactly its output length), all submitted
-at once, seed 0.
+The workload is w1-throughput (``kvstorm.bench.w1``).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
-import random
 import sys
 import tempfile
 import time
@@ -26,64 +23,14 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_process import run_child
 from engine.model.config import ModelConfig
 from engine.model.packed_linear import PackedLinear, packing_applies
-from kvstorm.benchdoc import BenchReport
+from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.process import run_child
+from kvstorm.bench.w1 import Workload, count_flops, w1_throughput
+from kvstorm.engine_commands import add_engine_arguments, engine_options_from_args, parse_bytes
 
 PEER_MODEL = "smollm2-135m"  # the transformers peers load this GGUF
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def w1_throughput(num_requests: int = 128, vocab_size: int = 49152, seed: int = 0) -> Workload:
-    """Token ids are drawn below ``vocab_size`` too, so small test models can run the workload."""
-    rng = random.Random(seed)
-    max_token_id = min(49000, vocab_size - 1)
-    prompts, output_lens = [], []
-    for _ in range(num_requests):
-        prompts.append([rng.randint(100, max_token_id) for _ in range(rng.randint(64, 512))])
-        output_lens.append(rng.randint(32, 256))
-    return Workload(prompts, output_lens)
-
-
-@dataclass(frozen=True)
-class WorkloadFlops:
-    """``nominal``: 2 x parameters for every prompt and output token, plus attention (the usual yardstick).
-    ``required``: what must really be computed: every token that is fed through the model, the LM head
-    only where a token is sampled, plus attention."""
-
-    nominal: float
-    required: float
-    attention: float
-
-
-def count_flops(config: ModelConfig, workload: Workload) -> WorkloadFlops:
-    embedding = config.vocab_size * config.hidden_size
-    body = config.num_parameters() - embedding - (0 if config.tie_word_embeddings else embedding)
-    attention = 0.0
-    fed_tokens = 0
-    for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
-        fed = len(prompt) + output_len - 1  # the last sampled token is never fed back
-        fed_tokens += fed
-        # Token at position t attends to t + 1 keys: QK^T and PV are 2 * q_size MACs per key per layer.
-        attention += 4 * config.q_size * config.num_layers * fed * (fed + 1) / 2
-    total_tokens = workload.num_prompt_tokens + workload.num_output_tokens
-    nominal = 2 * config.num_parameters() * total_tokens + attention
-    required = 2 * body * fed_tokens + 2 * embedding * workload.num_output_tokens + attention
-    return WorkloadFlops(nominal=nominal, required=required, attention=attention)
 
 
 def measure_matmul_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
@@ -115,11 +62,10 @@ def _best_seconds(work: Callable[[], object], device: torch.device, repeats: int
 
 
 def run_kvstorm(workload: Workload, options: dict) -> dict:
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLM
-    from engine.sampling_params import SamplingParams
 
-    llm = LLM(**options)
-    engine = llm.engine
+    engine = LLM(**options).engine
     start = time.perf_counter()
     for prompt, output_len in zip(workload.prompts, workload.output_lens, strict=True):
         engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
@@ -131,20 +77,21 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
         peak_running = max(peak_running, stats.num_running)
         peak_used_blocks = max(peak_used_blocks, stats.num_device_blocks - stats.num_free_device_blocks)
     elapsed = time.perf_counter() - start
+    info, stats = engine.info, engine.stats()
     return {
         "elapsed_s": elapsed,
         "output_tokens": produced,
         "peak_running": peak_running,
         "peak_used_blocks": peak_used_blocks,
-        "num_device_blocks": engine.kv_cache_manager.device_pool.num_blocks,
-        "block_size": engine.config.cache.block_size,
+        "num_device_blocks": stats.num_device_blocks,
+        "block_size": info.block_size,
         "kv_cache_memory": engine.config.cache.kv_cache_memory,
-        "bytes_per_block": engine.bytes_per_block,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "attention_backend": type(engine.runner.model.backend).__name__,
-        "matmul": engine.runner.matmul,
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "bytes_per_block": info.bytes_per_block,
+        "num_preemptions": stats.num_preemptions,
+        "attention_backend": info.attention_backend,
+        "matmul": info.matmul,
+        "device": info.device,
+        "dtype": info.dtype,
     }
 
 
@@ -231,7 +178,7 @@ def system_names(static_batch_sizes: list[int], include_continuous: bool) -> lis
 def run_system_in_child(name: str, num_requests: int, kvstorm_options: dict, timeout_s: float) -> SystemResult:
     with tempfile.TemporaryDirectory() as scratch:
         result_file = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "engine.bench_offline", name, str(num_requests), json.dumps(kvstorm_options)]
+        command = [sys.executable, "-m", "kvstorm.bench.offline", name, str(num_requests), json.dumps(kvstorm_options)]
         run = run_child([*command, str(result_file)], timeout_s)
         if result_file.exists():
             data = json.loads(result_file.read_text())
@@ -352,6 +299,44 @@ def render_markdown(data: dict, results: list[SystemResult], config: ModelConfig
             f"({config.max_position_embeddings} tokens) contiguously per request would allow **{contiguous}**.",
         ]
     return "\n".join(lines)
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+
+def add_bench_offline_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "offline", help="w1-throughput: kvstorm vs transformers static and continuous batching, one run"
+    )
+    add_engine_arguments(parser)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--static-batch-sizes", default="8,16,32", help="transformers static batch sizes ('' for none)")
+    parser.add_argument(
+        "--no-continuous", action="store_true", help="skip transformers' continuous batching (the slowest peer)"
+    )
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per system before it is killed")
+    parser.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    parser.set_defaults(kv_cache_memory=parse_bytes("4GiB"), swap_space=0)
+
+
+def run_bench_offline(args: argparse.Namespace) -> BenchReport:
+    static_batch_sizes = [int(size) for size in args.static_batch_sizes.split(",") if size]
+    if args.model != PEER_MODEL and (static_batch_sizes or not args.no_continuous):
+        raise ValueError(
+            f"the transformers peers run {PEER_MODEL} only; with --model {args.model} pass "
+            "--static-batch-sizes '' --no-continuous"
+        )
+    options = engine_options_from_args(args)
+    report = run_offline_bench(
+        num_requests=args.num_requests,
+        kvstorm_options=options,
+        static_batch_sizes=static_batch_sizes,
+        include_continuous=not args.no_continuous,
+        timeout_s=args.timeout,
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.data, indent=2))
+    return report
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Load-generation subcommands of the ``kvstorm`` command line: ``kvstorm bench serve`` and ``client-capacity``."""
+"""``kvstorm bench serve`` (the load generator against any OpenAI-compatible server) and ``client-capacity``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import platform
 import time
 from pathlib import Path
 
-from kvstorm.benchdoc import BenchReport
+from kvstorm.bench.doc import BenchReport
 from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import __doc__ as CAPACITY_DOC

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
-from engine.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.config import PRESETS
-from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
@@ -108,7 +108,7 @@ def test_a_step_that_runs_out_of_memory_changes_nothing_and_the_next_steps_are_s
     prompts = [list(range(1 + i, 10 + 2 * i)) for i in range(6)]
     expected = run_to_completion(make_engine(num_blocks=64), prompts, 14)
     engine = make_engine(num_blocks=64)
-    engine.runner.faults.update(oom_above_batched_tokens=12)  # the 6 prompts need 78 tokens in all
+    engine.update_faults(oom_above_batched_tokens=12)  # the 6 prompts need 78 tokens in all
     sizes = []
     requests = [engine.add_request(p, greedy(14)) for p in prompts]
     while engine.has_unfinished_requests():
@@ -126,7 +126,7 @@ def test_a_step_that_runs_out_of_memory_changes_nothing_and_the_next_steps_are_s
 
 def test_a_request_that_fails_alone_in_the_smallest_step_ends_with_an_error_and_the_engine_goes_on():
     engine = make_engine(num_blocks=64)
-    engine.runner.faults.update(fail_next_steps=10**6)  # every step fails
+    engine.update_faults(fail_next_steps=10**6)  # every step fails
     doomed = [engine.add_request(list(range(1, 9 + i)), greedy(5)) for i in range(3)]
     finished = {}
     for _ in range(100):
@@ -140,7 +140,7 @@ def test_a_request_that_fails_alone_in_the_smallest_step_ends_with_an_error_and_
         assert "gave up on this request after 3 failed steps in which it ran alone" in output.error
         assert "OutOfMemoryError: injected: out of memory in a step of 1 tokens" in output.error
     assert engine.kv_cache_manager.device_pool.num_free_blocks == 64
-    engine.runner.faults.update(fail_next_steps=0)
+    engine.update_faults(fail_next_steps=0)
     assert (
         run_to_completion(engine, [list(range(1, 12))], 6)[0]
         == run_to_completion(make_engine(), [list(range(1, 12))], 6)[0]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.outputs import ScheduledRequest
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledRequest
-from engine.sampling_params import SamplingParams
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -63,7 +63,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_sampled_position(llm):
 
     context = request.prompt_token_ids + request.output_token_ids[:-1]
     runner = ModelRunner(engine.runner.model, num_device_blocks=4, num_host_blocks=0, block_size=16)
-    logits = runner.forward([ScheduledRequest(context, 0, [0, 1, 2, 3])])  # every position
+    logits = runner.forward([ScheduledRequest("r0", context, 0, [0, 1, 2, 3])])  # every position
     expected = torch.log_softmax(logits[request.num_prompt_tokens - 1 :].float(), dim=-1)
     for position, (value, row) in enumerate(zip(logprobs, expected, strict=True)):
         top = row.topk(3)

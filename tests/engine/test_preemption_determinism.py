@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
-from engine.config import PreemptionMode
+from engine.core.config import PreemptionMode
+from engine.core.outputs import ScheduledRequest
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledRequest
-from engine.sampling_params import SamplingParams
 
 TEXT = (
     "The history of computing is a story of memory. Early machines stored a few thousand words in "
@@ -61,7 +61,7 @@ def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionM
         preemption_mode=mode,
         debug_invariants=True,
     )
-    llm.engine.runner.faults.update(**faults)
+    llm.engine.update_faults(**faults)
     prompts, params = workload
     completions = llm.generate(prompts, params)
     assert llm.engine.kv_cache_manager.device_pool.num_free_blocks == num_blocks
@@ -107,7 +107,7 @@ def assert_divergence_only_at_near_ties(real_model, completions, reference) -> N
             continue
         position = next(i for i, (a, b) in enumerate(zip(ours.token_ids, expected.token_ids, strict=True)) if a != b)
         context = expected.prompt_token_ids + expected.token_ids[:position]
-        logits = runner.forward([ScheduledRequest(context, 0, list(range(16)))], positions_to_keep=[True])[0]
+        logits = runner.forward([ScheduledRequest("r0", context, 0, list(range(16)))], positions_to_keep=[True])[0]
         top2 = logits.topk(2).values
         margin = float(top2[0] - top2[1])
         print(f"{ours.request_id}: diverged at output position {position}, top-2 margin {margin:.2e}")

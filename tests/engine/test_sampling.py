@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.core.sampling_params import SamplingParams
 from engine.sampling import compute_logprobs, make_generator, sample
-from engine.sampling_params import SamplingParams
 
 
 def random_logits(rows: int = 4, vocab: int = 50) -> torch.Tensor:

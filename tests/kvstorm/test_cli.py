@@ -9,7 +9,7 @@ import sys
 
 import requests
 
-from engine.cli import ADMIN_TOKEN_ENV
+from kvstorm.engine_commands import ADMIN_TOKEN_ENV
 
 
 def run_kvstorm(*args: str) -> subprocess.CompletedProcess[str]:

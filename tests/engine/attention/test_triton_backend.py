@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
-from engine.config import EngineConfig, PreemptionMode
+from engine.core.config import EngineConfig, PreemptionMode
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM, LLMEngine
 from engine.model.config import PRESETS
-from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)

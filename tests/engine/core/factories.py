@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_pool import BlockPool
-from engine.config import PreemptionMode, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import RequestOutput, SchedulerOutput
-from engine.preemption import PreemptionPolicy
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.block_pool import BlockPool
+from engine.core.config import PreemptionMode, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import SchedulerOutput
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.core.stopping import check_stop
 
 BLOCK_SIZE = 4
 FAKE_TOKEN = 7
@@ -51,11 +52,18 @@ def make_requests(n: int, prompt_len: int, max_tokens: int = 8) -> list[Request]
     return [make_request(prompt_len, max_tokens) for _ in range(n)]
 
 
-def fake_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[RequestOutput]]:
-    """One step with a runner that 'samples' FAKE_TOKEN for every request that needs a token."""
+def fake_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+    """One step with a runner that 'samples' FAKE_TOKEN for every request that needs a token, and the engine's
+    stop decision (no text: the fake model has no tokenizer). Returns the requests that got a token."""
     output = scheduler.schedule()
     sampled = {s.request_id: FAKE_TOKEN for s in output.scheduled if s.needs_sample}
-    return output, scheduler.update_from_output(output, sampled)
+    advanced = scheduler.update_from_output(output, sampled)
+    for request in advanced:
+        stop = check_stop(request, num_new_chars=0)
+        if stop is not None:
+            request.stop_reason = stop.reason
+            scheduler.finish_request(request.request_id, stop.status)
+    return output, advanced
 
 
 def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:

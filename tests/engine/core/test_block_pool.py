@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool
+from engine.core.block_pool import BlockPool
 
 
 def test_allocate_never_hands_out_a_used_block_and_refuses_when_short():
@@ -14,28 +14,12 @@ def test_allocate_never_hands_out_a_used_block_and_refuses_when_short():
     pool.check_invariants([first, second])
 
 
-def test_shared_block_is_free_only_after_its_last_owner_frees_it():
-    pool = BlockPool(4)
-    blocks = pool.allocate(2)
-    pool.share(blocks[:1])  # a second owner, as copy-on-write or prefix reuse would add
-    assert pool.ref_count(blocks[0]) == 2
-    pool.check_invariants([blocks, blocks[:1]])
-    pool.free(blocks)
-    assert pool.num_free_blocks == 3
-    pool.check_invariants([blocks[:1]])
-    pool.free(blocks[:1])
-    assert pool.num_free_blocks == 4
-    pool.check_invariants([])
-
-
-def test_double_free_and_sharing_a_free_block_are_errors():
+def test_a_double_free_is_an_error():
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
     pool.free([block])
     with pytest.raises(ValueError, match="freed twice"):
         pool.free([block])
-    with pytest.raises(ValueError, match="is free and cannot be shared"):
-        pool.share([block])
 
 
 def test_invariant_check_catches_a_leak_and_a_wrong_ref_count():

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import PreemptionMode
-from tests.engine.factories import BLOCK_SIZE, fake_step, make_request, make_scheduler, run_to_completion
+from engine.core.config import PreemptionMode
+from tests.engine.core.factories import BLOCK_SIZE, fake_step, make_request, make_scheduler, run_to_completion
 
 NUM_BLOCKS = 16
 NUM_HOST_BLOCKS = 8

@@ -3,7 +3,7 @@ only when it fails alone in the smallest step."""
 
 from __future__ import annotations
 
-from engine.step_back_off import BatchLimit, StepBackOff
+from engine.core.step_back_off import BatchLimit, StepBackOff
 
 
 def test_a_failure_halves_the_batch_and_successes_double_it_back():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -10,11 +11,11 @@ import pytest
 import torch
 import transformers
 
+from engine.core.outputs import ScheduledRequest
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.gguf_loader import open_gguf, permute_rotary_rows, read_gguf_config, unpermute_rotary_rows
 from engine.model.registry import resolve_model
 from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledRequest
 from tests.engine.model.gguf_writer import write_llama_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -40,7 +41,7 @@ def hf_weights(model: transformers.PreTrainedModel, config: ModelConfig) -> dict
 def tiny_config() -> ModelConfig:
     # A Llama with GQA 2:1 and a non-default theta, small enough to write in milliseconds;
     # theta and eps are exact in float32, as GGUF stores them.
-    return PRESETS["tiny"].with_overrides(rope_theta=50000.0, rms_norm_eps=2.0**-16)
+    return replace(PRESETS["tiny"], rope_theta=50000.0, rms_norm_eps=2.0**-16)
 
 
 @pytest.mark.parametrize("matrix_type", list(RELATIVE_ROUNDING), ids=lambda t: t.name)
@@ -72,7 +73,7 @@ def test_gguf_logits_match_transformers_loading_the_same_file(tmp_path: Path, ti
     with torch.inference_mode():
         reference = reference_model(torch.tensor([TOKENS])).logits[0]
     runner = ModelRunner(resolve_model(str(path)).load_model(), num_device_blocks=4, num_host_blocks=0, block_size=4)
-    ours = runner.forward([ScheduledRequest(TOKENS, 0, [3, 0, 2])])
+    ours = runner.forward([ScheduledRequest("r0", TOKENS, 0, [3, 0, 2])])
     error = (ours - reference).abs().amax() / reference.abs().amax()
     assert error < 1e-4
 

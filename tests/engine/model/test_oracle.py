@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
+from engine.core.outputs import ScheduledRequest
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledRequest
-from engine.sampling_params import SamplingParams
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -50,7 +50,7 @@ def test_logits_match_transformers_at_every_position_in_one_mixed_batch(real_mod
         block_tables.append(list(range(next_block + num_blocks - 1, next_block - 1, -1)))
         next_block += num_blocks + 1
     runner = make_runner(real_model, num_blocks=next_block)
-    chunks = [ScheduledRequest(ids, 0, blocks) for ids, blocks in zip(prompts, block_tables, strict=True)]
+    chunks = [ScheduledRequest("r0", ids, 0, blocks) for ids, blocks in zip(prompts, block_tables, strict=True)]
     ours = runner.forward(chunks).split([len(ids) for ids in prompts])
     for ids, logits in zip(prompts, ours, strict=True):
         error = relative_error(logits, hf_logits(hf_oracle, ids))
@@ -63,7 +63,9 @@ def test_chunked_prefill_through_the_cache_matches_transformers(real_model, real
     blocks = list(range(10))
     # Chunks of 7, 13 and the rest: each attends to the K/V the previous ones left in the paged cache.
     cuts = [0, 7, 20, len(ids)]
-    logits = torch.cat([runner.forward([ScheduledRequest(ids[a:b], a, blocks)]) for a, b in itertools.pairwise(cuts)])
+    logits = torch.cat(
+        [runner.forward([ScheduledRequest("r0", ids[a:b], a, blocks)]) for a, b in itertools.pairwise(cuts)]
+    )
     error = relative_error(logits, hf_logits(hf_oracle, ids))
     assert error.max() < 1e-4, f"max relative error {error.max():.2e}"
 

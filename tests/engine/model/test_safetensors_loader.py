@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
+from engine.core.outputs import ScheduledRequest
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.registry import resolve_model
 from engine.model.safetensors_loader import INDEX_FILE, safetensors_files
 from engine.model_runner import ModelRunner
-from engine.outputs import ScheduledRequest
 
 TOKENS = [5, 88, 400, 2, 17, 17, 311, 64, 9]
 
 VARIANTS = {
     "llama-tied": PRESETS["tiny"],
-    "llama-untied": PRESETS["tiny"].with_overrides(tie_word_embeddings=False, rope_theta=500000.0),
-    "qwen2-bias": PRESETS["tiny"].with_overrides(architecture="qwen2", attention_bias=True, num_kv_heads=1),
+    "llama-untied": replace(PRESETS["tiny"], tie_word_embeddings=False, rope_theta=500000.0),
+    "qwen2-bias": replace(PRESETS["tiny"], architecture="qwen2", attention_bias=True, num_kv_heads=1),
 }
 
 
@@ -47,7 +48,7 @@ def test_sharded_checkpoint_logits_match_transformers(tmp_path: Path, variant: s
     assert source.kind == "safetensors"
     assert source.load_config() == config
     runner = ModelRunner(source.load_model(), num_device_blocks=8, num_host_blocks=0, block_size=4)
-    ours = runner.forward([ScheduledRequest(TOKENS, 0, [6, 1, 4])])
+    ours = runner.forward([ScheduledRequest("r0", TOKENS, 0, [6, 1, 4])])
     with torch.inference_mode():
         reference = reference_model(torch.tensor([TOKENS])).logits[0]
     assert ((ours - reference).abs().amax() / reference.abs().amax()) < 1e-5

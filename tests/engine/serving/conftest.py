@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 import torch
 
-from engine.async_engine import AdmissionLimits, AsyncEngine
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.llm_engine import LLM, LLMEngine
-from engine.metrics import EngineMetrics
-from engine.server import ServerConfig, create_app, start_server
+from engine.serving.async_engine import AdmissionLimits, AsyncEngine
+from engine.serving.metrics import EngineMetrics
+from engine.serving.server import ServerConfig, create_app, start_server
 
 ADMIN_TOKEN = "test-admin-token"
 BLOCK_SIZE = 16

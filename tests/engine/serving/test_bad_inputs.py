@@ -10,7 +10,7 @@ import json
 import pytest
 import requests
 
-from tests.engine.server.conftest import make_engine, metric_value, running_server
+from tests.engine.serving.conftest import make_engine, metric_value, running_server
 
 MODEL = "smollm2-135m"
 MAX_MODEL_LEN = 256

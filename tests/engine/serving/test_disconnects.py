@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import requests
 
-from tests.engine.server.conftest import make_engine, metric_value, running_server
+from tests.engine.serving.conftest import make_engine, metric_value, running_server
 
 MODEL = "smollm2-135m"
 TEXT = (
@@ -162,7 +162,7 @@ def test_hang_ups_in_every_phase_free_their_blocks_and_leave_the_other_streams_i
     assert metric_value(metrics, "kvstorm:free_blocks", pool="device") == NUM_BLOCKS
     swapped_out = metric_value(metrics, "kvstorm:swap_blocks_total", direction="out")
     assert swapped_out > 0
-    bytes_per_block = server.async_engine.engine.bytes_per_block
+    bytes_per_block = server.async_engine.engine.info.bytes_per_block
     assert metric_value(metrics, "kvstorm:swap_bytes_total", direction="out") == swapped_out * bytes_per_block
     assert metric_value(metrics, "kvstorm:swap_latency_seconds_count") > 0
     assert metric_value(metrics, "kvstorm:preemptions_total", mode="swap", reason="requested") == (

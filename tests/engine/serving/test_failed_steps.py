@@ -7,8 +7,8 @@ import json
 
 import requests
 
-from tests.engine.server.conftest import make_tiny_engine, metric_value, running_server
-from tests.engine.server.test_liveness_and_admission import TINY, finish_reasons, stream_in_background
+from tests.engine.serving.conftest import make_tiny_engine, metric_value, running_server
+from tests.engine.serving.test_liveness_and_admission import TINY, finish_reasons, stream_in_background
 
 NUM_STREAMS, PROMPT_LEN, MAX_TOKENS = 6, 20, 12
 

@@ -9,10 +9,10 @@ import threading
 import pytest
 import requests
 
-from engine.async_engine import AdmissionLimits, AsyncEngine
-from engine.metrics import EngineMetrics
-from engine.sampling_params import SamplingParams
-from tests.engine.server.conftest import make_tiny_engine, metric_value, running_server, wait_until
+from engine.core.sampling_params import SamplingParams
+from engine.serving.async_engine import AdmissionLimits, AsyncEngine
+from engine.serving.metrics import EngineMetrics
+from tests.engine.serving.conftest import make_tiny_engine, metric_value, running_server, wait_until
 
 TINY = "tiny"
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.metrics import DEFAULT_SLO_THRESHOLDS_S, EngineMetrics, latency_buckets
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from tests.engine.server.conftest import metric_value
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+from engine.serving.metrics import DEFAULT_SLO_THRESHOLDS_S, EngineMetrics, latency_buckets
+from tests.engine.serving.conftest import metric_value
 
 
 def test_every_default_slo_threshold_is_a_bucket_boundary_from_a_millisecond_to_ten_minutes():

@@ -6,9 +6,9 @@ import openai
 import pytest
 import requests
 
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
-from engine.sampling_params import SamplingParams
-from tests.engine.server.conftest import make_engine, metric_value, running_server
+from tests.engine.serving.conftest import make_engine, metric_value, running_server
 
 MODEL = "smollm2-135m"
 PROMPT = "The capital of France is"

@@ -14,8 +14,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from engine.protocol import openapi_document
-from tests.engine.server.conftest import make_engine, running_server
+from engine.serving.protocol import openapi_document
+from tests.engine.serving.conftest import make_engine, running_server
 
 MAX_MODEL_LEN = 48
 

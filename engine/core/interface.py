@@ -1,0 +1,60 @@
+"""The engine as the serving layer sees it: one snapshot and a few commands. No torch here.
+
+``engine.llm_engine.LLMEngine`` implements it; ``engine.serving`` may use nothing else of the engine (a test reads
+the serving modules and enforces it), so the scheduler, the block pools and the model runner can change without
+touching the server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.core.outputs import EngineInfo, EngineSnapshot, RequestOutput
+from engine.core.request import Request
+from engine.core.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class TextTokenizer(Protocol):
+    """What the serving layer needs of a tokenizer: chat prompts in, token names out (for logprobs)."""
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class EngineClient(Protocol):
+    """Commands run on the engine's own thread, one at a time, except ``prepare_request`` (safe from any thread:
+    it touches no engine state). ``snapshot`` describes the engine between two steps."""
+
+    info: EngineInfo
+    # None for a model without one (prompts are token ids).
+    tokenizer: TextTokenizer | None
+
+    def prepare_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, arrival_ts: float | None = None
+    ) -> Request:
+        """Tokenize and validate; ``ValueError`` with the numbers if it is malformed or can never fit."""
+        ...
+
+    def add_prepared_request(self, request: Request) -> None:
+        """Queue it; ``ValueError`` if its id is in use."""
+        ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End it now (its blocks are free on return); its final output, or None if it is unknown or done."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: every output of it, each complete (a finished one carries its finish reason)."""
+        ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def snapshot(self, include_requests: bool = False) -> EngineSnapshot: ...
+
+    def update_faults(self, **changes: object) -> dict[str, object]:
+        """Change run-time faults (``ValueError`` for a bad one, nothing changed); returns every fault's value."""
+        ...
