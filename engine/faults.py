@@ -1,41 +1,109 @@
-"""Faults the chaos harness turns on through ``/admin/faults``, raised where the real ones would be.
+"""Faults the chaos harness turns on at run time (``/admin/faults``), each raised where the real one happens.
 
-Both raise ``torch.OutOfMemoryError`` from the model runner just before a step's forward pass, the point where a
-device that ran out of memory raises it, so the engine's recovery (``engine.core.step_back_off``) is the same code a
-real out-of-memory error meets.
+=========================  ===============================  ==========================================================
+fault                      value                            what a real system would see
+=========================  ===============================  ==========================================================
+``kv_cap``                 ``{"blocks": N}`` or             VRAM taken by a co-tenant or a fragmented allocator: the
+                           ``{"fraction": F}``              usable device KV pool shrinks; blocks in use above the cap
+                                                            are reclaimed by preemption in the next steps
+``swap_cap``               the same                         less pinned host memory: the usable swap pool shrinks, and
+                                                            a swap that no longer fits falls back to recompute
+``swap_delay_per_block``   seconds                          a congested host link: each block moved takes longer
+``step_delay``             seconds                          a slow or throttled device: each step takes longer
+``oom_above_batched_tokens``  tokens                        activations that no longer fit: a larger step raises
+                                                            ``torch.OutOfMemoryError`` before its forward pass
+``fail_next_steps``        count                            the next N steps raise ``torch.OutOfMemoryError``
+``memory_hog``             bytes                            device memory held outside the engine (CUDA only)
+=========================  ===============================  ==========================================================
+
+Out-of-memory errors are raised from the model runner just before a step's forward pass, where a device that ran
+out of memory raises them, so the engine's recovery (``engine.core.step_back_off``) is the code a real one meets.
+``null`` (or 0) turns a fault off. An update is validated whole before any of it applies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, fields
 
 import torch
 
 from engine.core.outputs import SchedulerOutput
 
 
-@dataclass
-class StepFaults:
-    # A VRAM cap: a step of more tokens than this runs out of memory (None: no cap).
-    oom_above_batched_tokens: int | None = None
-    # The next N steps run out of memory, whatever their size.
-    fail_next_steps: int = 0
+@dataclass(frozen=True)
+class PoolCap:
+    """A cap on a block pool: a number of its blocks or a fraction of them."""
 
-    def update(self, **changes: object) -> None:
-        """Set some fields; ``ValueError`` names a field that does not exist or a value that is not allowed."""
+    blocks: int | None = None
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, name: str, value: object) -> PoolCap:
+        if not isinstance(value, dict) or len(value) != 1 or not value.keys() <= {"blocks", "fraction"}:
+            raise ValueError(f'{name} must be {{"blocks": N}} or {{"fraction": F}} or null, got {value!r}')
+        blocks, fraction = value.get("blocks"), value.get("fraction")
+        if "blocks" in value and (type(blocks) is not int or blocks < 0):
+            raise ValueError(f"{name}.blocks must be an integer >= 0, got {blocks!r}")
+        if "fraction" in value and (type(fraction) not in (int, float) or not 0 <= fraction <= 1):
+            raise ValueError(f"{name}.fraction must be a number in [0, 1], got {fraction!r}")
+        return cls(blocks=blocks, fraction=None if fraction is None else float(fraction))
+
+    def num_blocks(self, pool_size: int) -> int:
+        """How many of a pool of ``pool_size`` blocks stay usable."""
+        if self.blocks is not None:
+            return min(self.blocks, pool_size)
+        return min(pool_size, math.floor(self.fraction * pool_size))
+
+    def to_json(self) -> dict[str, float]:
+        return {"blocks": self.blocks} if self.blocks is not None else {"fraction": self.fraction}
+
+
+@dataclass
+class EngineFaults:
+    kv_cap: PoolCap | None = None
+    swap_cap: PoolCap | None = None
+    swap_delay_per_block: float = 0.0
+    step_delay: float = 0.0
+    oom_above_batched_tokens: int | None = None
+    fail_next_steps: int = 0
+    memory_hog: int = 0
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def validated(self, changes: dict[str, object]) -> dict[str, object]:
+        """``changes`` checked and converted; ``ValueError`` names the first bad fault and why."""
+        parsed = {}
         for name, value in changes.items():
-            if name not in self.__dataclass_fields__:
-                raise ValueError(f"unknown fault {name!r}; faults: {', '.join(self.__dataclass_fields__)}")
-            allows_none = self.__dataclass_fields__[name].default is None  # off is None, not 0
-            if not (value is None and allows_none) and (type(value) is not int or value < 0):
-                raise ValueError(f"{name} must be an integer >= 0{' or null' if allows_none else ''}, got {value!r}")
-        for name, value in changes.items():
+            if name not in self.names():
+                raise ValueError(f"unknown fault {name!r}; faults: {', '.join(self.names())}")
+            parsed[name] = _parse(name, value)
+        return parsed
+
+    def apply(self, parsed: dict[str, object]) -> None:
+        """Set values that ``validated`` returned."""
+        for name, value in parsed.items():
             setattr(self, name, value)
 
-    def active(self) -> dict[str, bool]:
-        return {name: getattr(self, name) not in (None, 0) for name in self.__dataclass_fields__}
+    def to_json(self) -> dict[str, object]:
+        return {
+            name: value.to_json() if isinstance(value, PoolCap) else value
+            for name in self.names()
+            for value in [getattr(self, name)]
+        }
 
-    def check(self, output: SchedulerOutput) -> None:
+    def active(self) -> dict[str, bool]:
+        return {name: getattr(self, name) not in (None, 0) for name in self.names()}
+
+    # ---- where the runner raises them ----------------------------------------------------------
+
+    def before_forward(self, output: SchedulerOutput) -> None:
+        """The step's slowness, then its out-of-memory faults."""
+        if self.step_delay:
+            time.sleep(self.step_delay)
         if self.fail_next_steps > 0:
             self.fail_next_steps -= 1
             raise torch.OutOfMemoryError(f"injected: out of memory in a step of {output.num_batched_tokens} tokens")
@@ -44,3 +112,22 @@ class StepFaults:
             raise torch.OutOfMemoryError(
                 f"injected VRAM cap: a step of {output.num_batched_tokens} tokens, room for {cap}"
             )
+
+    def delay_block_moves(self, num_blocks: int) -> None:
+        if self.swap_delay_per_block and num_blocks:
+            time.sleep(self.swap_delay_per_block * num_blocks)
+
+
+def _parse(name: str, value: object) -> object:
+    if name in ("kv_cap", "swap_cap"):
+        return None if value is None else PoolCap.parse(name, value)
+    if name in ("swap_delay_per_block", "step_delay"):
+        if type(value) not in (int, float) or not 0 <= value <= 60:
+            raise ValueError(f"{name} must be a number of seconds in [0, 60], got {value!r}")
+        return float(value)
+    if name == "oom_above_batched_tokens" and value is None:
+        return None
+    if type(value) is not int or value < 0:
+        or_null = " or null" if name == "oom_above_batched_tokens" else ""
+        raise ValueError(f"{name} must be an integer >= 0{or_null}, got {value!r}")
+    return value

@@ -10,7 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +36,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop, releasable_text_end
+from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -92,7 +93,10 @@ class LLMEngine:
         if num_device_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes")
         num_host_blocks = cache.swap_space // bytes_per_block
-        self.runner = ModelRunner(model, num_device_blocks, num_host_blocks, cache.block_size)
+        self.faults = EngineFaults()
+        # Device memory a memory_hog fault holds outside the engine (None: no hog).
+        self._memory_hog: torch.Tensor | None = None
+        self.runner = ModelRunner(model, num_device_blocks, num_host_blocks, cache.block_size, self.faults)
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
         )
@@ -201,11 +205,23 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def update_faults(self, **changes: object) -> dict[str, object]:
-        """Change the faults injected into the steps (``engine.faults``); ``ValueError`` for a bad one (nothing
-        changes); no changes to read them. Returns every fault's value."""
-        faults = self.runner.faults
-        faults.update(**changes)
-        return asdict(faults)
+        """Change run-time faults (``engine.faults``): ``ValueError`` for a bad one, and then nothing changes; no
+        changes to read them. Returns every fault's value. A new ``kv_cap`` takes effect in the next step, which
+        preempts what the block tables hold above it."""
+        parsed = self.faults.validated(changes)
+        if "memory_hog" in parsed:
+            self._hold_device_memory(parsed["memory_hog"])
+        self.faults.apply(parsed)
+        for pool, cap in (
+            (self.kv_cache_manager.device_pool, self.faults.kv_cap),
+            (self.kv_cache_manager.host_pool, self.faults.swap_cap),
+        ):
+            pool.set_capacity(pool.num_blocks if cap is None else cap.num_blocks(pool.num_blocks))
+        return self.faults.to_json()
+
+    def clear_faults(self) -> dict[str, object]:
+        """Every fault off; returns every fault's value."""
+        return self.update_faults(**EngineFaults().to_json())
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -256,7 +272,7 @@ class LLMEngine:
             stats=self.scheduler.stats(),
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
-            active_faults=self.runner.faults.active(),
+            active_faults=self.faults.active(),
             last_step=self.last_step,
             requests=requests,
         )
@@ -328,6 +344,24 @@ class LLMEngine:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    def _hold_device_memory(self, num_bytes: int) -> None:
+        """What a co-tenant process does to the device: take memory the engine does not own (CUDA only)."""
+        if num_bytes and self.device.type != "cuda":
+            raise ValueError(
+                f"memory_hog takes device memory outside the engine and needs a CUDA device; this engine runs on "
+                f"{self.device}, where the KV pool is preallocated host memory that nothing else can take: use "
+                '{"kv_cap": {"fraction": F}} to take KV blocks away instead'
+            )
+        hog = None
+        if num_bytes:
+            try:
+                hog = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            except torch.OutOfMemoryError as error:
+                raise ValueError(f"memory_hog of {num_bytes} bytes does not fit on {self.device}: {error}") from None
+        self._memory_hog = hog
+        if hog is None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -350,6 +384,7 @@ class LLMEngine:
         self.preemption_log.extend(output.preemptions)
         if error is None and num_prefill > output.num_batched_tokens // 2:
             self.preemption_policy.observe_prefill(output.num_batched_tokens, duration_s)
+        self.preemption_policy.observe_swap(len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in), swap_s)
         self.last_step = StepStats(
             num_scheduled=len(output.scheduled),
             num_batched_tokens=output.num_batched_tokens,

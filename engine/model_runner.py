@@ -13,18 +13,25 @@ import torch
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from engine.faults import StepFaults
+from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
 from engine.sampling import compute_logprobs, make_generator, sample
 
 
 class ModelRunner:
-    """Owns the model, the device KV cache, the host swap cache, each request's random stream, and the faults
-    injected into its steps. On the CPU it prepacks the model's linear weights for oneDNN (in place: a model
-    handed to a runner serves inference only from then on)."""
+    """Owns the model, the device KV cache, the host swap cache and each request's random stream; raises the
+    engine's faults (``engine.faults``) where a device would. On the CPU it prepacks the model's linear weights
+    for oneDNN (in place: a model handed to a runner serves inference only from then on)."""
 
-    def __init__(self, model: LlamaForCausalLM, num_device_blocks: int, num_host_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        faults: EngineFaults | None = None,
+    ) -> None:
         self.model = model
         self.block_size = block_size
         parameter = next(model.parameters())
@@ -44,7 +51,7 @@ class ModelRunner:
             pin_memory=self.device.type == "cuda",
         )
         self._generators: dict[str, torch.Generator | None] = {}
-        self.faults = StepFaults()
+        self.faults = faults or EngineFaults()
 
     def move_blocks(self, output: SchedulerOutput) -> float:
         """The step's swaps (before its forward pass); returns the seconds they took."""
@@ -53,6 +60,7 @@ class ModelRunner:
         self.swap_in(output.blocks_to_swap_in)
         if output.blocks_to_swap_out or output.blocks_to_swap_in:
             self._synchronize()
+        self.faults.delay_block_moves(len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in))
         return time.perf_counter() - start
 
     def execute(self, output: SchedulerOutput) -> ExecuteResult:
@@ -62,7 +70,7 @@ class ModelRunner:
         to_sample = [s for s in output.scheduled if s.needs_sample]
         if not output.scheduled:
             return ExecuteResult({})
-        self.faults.check(output)
+        self.faults.before_forward(output)
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
         if not to_sample:  # every chunk was a partial prefill
             return ExecuteResult({})

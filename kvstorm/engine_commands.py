@@ -14,7 +14,8 @@ from engine.attention.selector import BACKENDS
 from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.serving.async_engine import AdmissionLimits, AsyncEngine
+from engine.serving.admission import AdmissionLimits
+from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.server import ServerConfig, create_app, start_server
 

@@ -18,6 +18,12 @@ class BlockPool:
     ``allocate`` hands out free blocks (ref count 1) or returns None when there
     are not enough; it never hands out a used block. Freed blocks go to the back
     of the free queue, so recently freed blocks are reused last.
+
+    ``capacity`` is how many blocks may be in use at once: all of them, unless a
+    cap (``set_capacity``, a VRAM cap fault) takes some away. Free blocks count
+    against it: ``num_free_blocks`` is what may still be allocated, and
+    ``num_over_capacity`` what the block tables hold beyond the cap (the scheduler
+    preempts until it is 0).
     """
 
     def __init__(self, num_blocks: int, name: str = "device") -> None:
@@ -25,18 +31,32 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.name = name
         self.num_blocks = num_blocks
+        self.capacity = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
 
     @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return max(0, self.capacity - self.num_used_blocks)
+
+    @property
+    def num_over_capacity(self) -> int:
+        return max(0, self.num_used_blocks - self.capacity)
+
+    def set_capacity(self, capacity: int) -> None:
+        if not 0 <= capacity <= self.num_blocks:
+            raise ValueError(f"{self.name} pool capacity must be in [0, {self.num_blocks}], got {capacity}")
+        self.capacity = capacity
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
     def allocate(self, num_blocks: int) -> list[int] | None:
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free_blocks:
             return None
         block_ids = [self._free.popleft() for _ in range(num_blocks)]
         for block_id in block_ids:

@@ -58,3 +58,7 @@ class EngineClient(Protocol):
     def update_faults(self, **changes: object) -> dict[str, object]:
         """Change run-time faults (``ValueError`` for a bad one, nothing changed); returns every fault's value."""
         ...
+
+    def clear_faults(self) -> dict[str, object]:
+        """Every run-time fault off; returns every fault's value."""
+        ...

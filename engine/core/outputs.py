@@ -108,13 +108,21 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class SchedulerStats:
+    """Queues and pools. Per pool: ``num_*_blocks`` is its capacity (all its blocks, unless a cap fault took some
+    away), ``num_free_*`` what may still be allocated under it, ``num_used_*`` what block tables hold (above the
+    capacity while the scheduler reclaims a new cap), ``num_physical_*`` the blocks the pool really has."""
+
     num_running: int
     num_waiting: int
     num_swapped: int
     num_free_device_blocks: int
     num_device_blocks: int
+    num_used_device_blocks: int
+    num_physical_device_blocks: int
     num_free_host_blocks: int
     num_host_blocks: int
+    num_used_host_blocks: int
+    num_physical_host_blocks: int
     num_preemptions: int
     # The batch a step may take now: the configured one, or less while backing off after failed steps.
     max_num_seqs_now: int

@@ -9,10 +9,11 @@ class PreemptionPolicy:
     """Chooses swap or recompute per victim.
 
     ``auto`` compares estimated costs: moving the victim's blocks out and back
-    at the copy bandwidth measured at start-up against re-running its computed
-    tokens at the prefill throughput, an exponential moving average of what
-    the engine's prefill-heavy steps achieve. A swap that does not fit in the
-    host pool falls back to recompute.
+    at the copy bandwidth against re-running its computed tokens at the prefill
+    throughput. Both start from a measurement at start-up and follow what the
+    engine then observes (exponential moving averages of its swaps and of its
+    prefill-heavy steps), so a host link that slows down turns ``auto`` towards
+    recompute. A swap that does not fit in the host pool falls back to recompute.
     """
 
     SMOOTHING = 0.2
@@ -49,5 +50,11 @@ class PreemptionPolicy:
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
-            rate = num_tokens / seconds
-            self.prefill_tokens_per_s = (1 - self.SMOOTHING) * self.prefill_tokens_per_s + self.SMOOTHING * rate
+            self.prefill_tokens_per_s = self._smoothed(self.prefill_tokens_per_s, num_tokens / seconds)
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        if num_blocks > 0 and seconds > 0:
+            self.copy_bytes_per_s = self._smoothed(self.copy_bytes_per_s, num_blocks * self.bytes_per_block / seconds)
+
+    def _smoothed(self, average: float, sample: float) -> float:
+        return (1 - self.SMOOTHING) * average + self.SMOOTHING * sample

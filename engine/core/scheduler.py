@@ -2,8 +2,10 @@
 
 No prefill or decode phase: every request needs ``num_tokens`` tokens in the
 cache and has ``num_computed_tokens``; a step hands out the token budget in
-three phases:
+three phases, after giving back what a cap took away:
 
+0. while running requests hold more device blocks than the pool's capacity (a
+   VRAM cap fault lowered it), the newest is preempted;
 1. running requests, oldest first (a decode is 1 token, an unfinished prompt
    its next chunk); when one cannot get a block, the newest running request is
    preempted (swap or recompute) until it can;
@@ -12,6 +14,11 @@ three phases:
 3. waiting requests are admitted, oldest first (only once nothing is swapped
    out), their prompts chunked to the budget, while free blocks stay above the
    watermark.
+
+A request is admitted or swapped back in only if all it may ever need (prompt
+plus ``max_tokens``) fits the pool's capacity: under a cap, one that cannot fit
+waits for the cap to lift instead of running until it preempts itself, again and
+again.
 
 The output is plain data (``SchedulerOutput``); the model runner executes it.
 After a step fails, the steps that follow are smaller (``engine.core.step_back_off``).
@@ -58,7 +65,7 @@ class Scheduler:
         self.config = config
         self.kv = kv_cache_manager
         self.preemption_policy = preemption_policy
-        self.num_watermark_blocks = int(watermark * kv_cache_manager.device_pool.num_blocks)
+        self.watermark = watermark
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -102,6 +109,7 @@ class Scheduler:
         output = SchedulerOutput()
         limit = self.back_off.limit
         budget = StepBudget(limit.max_num_batched_tokens, limit.max_num_seqs)
+        self._reclaim_over_capacity(output)
         self._schedule_running(budget, output)
         if not output.preemptions:
             self._schedule_swapped(budget, output)
@@ -139,15 +147,23 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
             num_free_device_blocks=self.kv.device_pool.num_free_blocks,
-            num_device_blocks=self.kv.device_pool.num_blocks,
+            num_device_blocks=self.kv.device_pool.capacity,
+            num_used_device_blocks=self.kv.device_pool.num_used_blocks,
+            num_physical_device_blocks=self.kv.device_pool.num_blocks,
             num_free_host_blocks=self.kv.host_pool.num_free_blocks,
-            num_host_blocks=self.kv.host_pool.num_blocks,
+            num_host_blocks=self.kv.host_pool.capacity,
+            num_used_host_blocks=self.kv.host_pool.num_used_blocks,
+            num_physical_host_blocks=self.kv.host_pool.num_blocks,
             num_preemptions=self.num_preemptions,
             max_num_seqs_now=self.back_off.limit.max_num_seqs,
             max_num_batched_tokens_now=self.back_off.limit.max_num_batched_tokens,
         )
 
     # ---- phases -------------------------------------------------------------------------------
+
+    def _reclaim_over_capacity(self, output: SchedulerOutput) -> None:
+        while self.kv.device_pool.num_over_capacity and self.running:
+            self._preempt_newest(output)
 
     def _schedule_running(self, budget: StepBudget, output: SchedulerOutput) -> None:
         index = 0
@@ -193,20 +209,29 @@ class Scheduler:
         """Bring a swapped request's blocks back, plus room for its new tokens, if that keeps the watermark."""
         swapped = self.kv.num_swapped_blocks(request.request_id)
         num_blocks = max(swapped, num_blocks_for(num_total_tokens, self.kv.block_size))
-        if self.kv.device_pool.num_free_blocks - num_blocks < self._num_reserved_blocks():
+        if not self._fits_capacity(request) or self.kv.device_pool.num_free_blocks - num_blocks < (
+            self._num_reserved_blocks()
+        ):
             return False
         output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
         self.kv.allocate_slots(request.request_id, num_total_tokens)
         return True
 
     def _allocate_for_admission(self, request: Request, num_total_tokens: int, output: SchedulerOutput) -> bool:
+        if not self._fits_capacity(request):
+            return False
         return self.kv.allocate_slots(request.request_id, num_total_tokens, self._num_reserved_blocks()) is not None
 
     # ---- helpers ------------------------------------------------------------------------------
 
     def _num_reserved_blocks(self) -> int:
         """Blocks new work must leave free: the watermark, which exists for running requests to grow into."""
-        return self.num_watermark_blocks if self.running else 0
+        return int(self.watermark * self.kv.device_pool.capacity) if self.running else 0
+
+    def _fits_capacity(self, request: Request) -> bool:
+        """Whether all the request may ever need (prompt + max_tokens) fits the device pool's capacity."""
+        max_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
+        return num_blocks_for(max_tokens, self.kv.block_size) <= self.kv.device_pool.capacity
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens this request gets now: all it lacks, or (chunked prefill) as many as the budget allows."""

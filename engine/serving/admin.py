@@ -1,6 +1,9 @@
 """``/admin/*``: run-time control behind a bearer token, the only way to change the engine while it serves.
 
 The chaos harness drives these; they exist only when the server has an admin token.
+
+Faults set with ``"lease_s": N`` in the body are all cleared when N seconds pass without another call that renews
+the lease (``FaultLease``): a harness that dies in the middle of an experiment leaves no fault behind.
 """
 
 from __future__ import annotations
@@ -8,14 +11,75 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.protocol import ApiError
 
+logger = logging.getLogger(__name__)
+MAX_LEASE_S = 24 * 3600
 
-def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:
+
+async def run_off_loop(function, *args, **kwargs):
+    """What waits for the engine's step in progress (describing it, changing its faults) runs off the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args, **kwargs))
+
+
+class FaultLease:
+    """Clears every fault when the lease runs out; ``renew`` restarts it, ``cancel`` ends it."""
+
+    def __init__(self, clear_faults: Callable[[], object]) -> None:
+        self._clear_faults = clear_faults
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._expires_ts: float | None = None
+
+    def renew(self, lease_s: float) -> None:
+        with self._lock:
+            self._cancel_timer()
+            self._timer = threading.Timer(lease_s, self._expire)
+            self._timer.daemon = True
+            self._expires_ts = time.monotonic() + lease_s
+            self._timer.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancel_timer()
+
+    @property
+    def remaining_s(self) -> float | None:
+        expires = self._expires_ts
+        return None if expires is None else max(0.0, expires - time.monotonic())
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._expires_ts = None
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._timer = self._expires_ts = None
+        logger.warning("the fault lease ran out without renewal: clearing every fault")
+        self._clear_faults()
+
+
+def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str) -> None:
+    """The routes, and the fault lease, which ends with the app."""
+    lease = FaultLease(async_engine.clear_faults)
+    app.add_routes(_admin_routes(async_engine, token, lease))
+
+    async def end_lease(_: web.Application) -> None:
+        lease.cancel()
+
+    app.on_shutdown.append(end_lease)
+
+
+def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> list[web.RouteDef]:
     def authorized(handler):
         async def check(request: web.Request) -> web.StreamResponse:
             given = request.headers.get("Authorization", "")
@@ -26,29 +90,37 @@ def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:
         return check
 
     async def stats(_: web.Request) -> web.Response:
-        # describe() waits for the step in progress: off the event loop.
-        description = await asyncio.get_running_loop().run_in_executor(None, async_engine.describe)
-        return web.json_response(description)
+        return web.json_response(await run_off_loop(async_engine.describe))
+
+    def with_lease(faults: dict[str, object]) -> web.Response:
+        return web.json_response({**faults, "lease_s": lease.remaining_s})
 
     async def get_faults(_: web.Request) -> web.Response:
-        faults = await asyncio.get_running_loop().run_in_executor(None, async_engine.update_faults)
-        return web.json_response(faults)
+        return with_lease(await run_off_loop(async_engine.update_faults))
 
     async def set_faults(request: web.Request) -> web.Response:
-        """Body: a JSON object of the faults to change (``engine.faults.StepFaults``); answers with them all."""
+        """Body: a JSON object of the faults to change (``engine.faults``, plus ``freeze``) and optionally
+        ``lease_s``; answers with every fault's value and the lease left."""
         try:
             changes = await request.json()
         except ValueError:
             raise ApiError(400, "the body must be a JSON object of faults") from None
         if not isinstance(changes, dict):
             raise ApiError(400, "the body must be a JSON object of faults")
+        lease_s = changes.pop("lease_s", None)
+        if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
+            raise ApiError(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
         try:
-            faults = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(async_engine.update_faults, **changes)
-            )
+            faults = await run_off_loop(async_engine.update_faults, **changes)
         except ValueError as error:
             raise ApiError(400, str(error)) from None
-        return web.json_response(faults)
+        if lease_s is not None:
+            lease.renew(lease_s)
+        return with_lease(faults)
+
+    async def clear_faults(_: web.Request) -> web.Response:
+        lease.cancel()
+        return with_lease(await run_off_loop(async_engine.clear_faults))
 
     async def pause(_: web.Request) -> web.Response:
         async_engine.pause()
@@ -75,4 +147,5 @@ def admin_routes(async_engine: AsyncEngine, token: str) -> list[web.RouteDef]:
         web.post("/admin/step", authorized(step)),
         web.get("/admin/faults", authorized(get_faults)),
         web.post("/admin/faults", authorized(set_faults)),
+        web.delete("/admin/faults", authorized(clear_faults)),
     ]

@@ -29,12 +29,12 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from engine.core.interface import EngineClient, Prompt
 from engine.core.outputs import EngineSnapshot, RequestOutput
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
+from engine.serving.admission import AdmissionLimits, AdmissionRefused, find_overloads
 from engine.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,35 +42,6 @@ logger = logging.getLogger(__name__)
 
 class EngineFailure(Exception):
     """A step raised: every request in flight ends with this error."""
-
-
-class AdmissionRefused(Exception):
-    """Admission control refused a request before it started; retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, reason: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.retry_after_s = retry_after_s
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """None disables a limit."""
-
-    # Refuse when this many requests are already waiting.
-    max_waiting: int | None = None
-    # Refuse when the estimated wait before the first scheduled step exceeds this.
-    max_queue_delay_s: float | None = None
-    # Outputs a stream may hold undelivered before its request is aborted as a slow client.
-    max_buffered_outputs: int = 256
-
-    def __post_init__(self) -> None:
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.max_queue_delay_s is not None and self.max_queue_delay_s <= 0:
-            raise ValueError(f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
-        if self.max_buffered_outputs < 1:
-            raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
 
 
 class RequestStream:
@@ -113,7 +84,9 @@ class AsyncEngine:
 
     ``pause`` freezes the loop between steps (nothing is taken from the inbox, no step
     runs) and ``step`` lets a paused loop run a given number of iterations: the hooks a
-    fault injector or a test uses to wedge the engine or walk it step by step.
+    test uses to walk the engine step by step. The ``freeze`` fault stops the loop the same
+    way for a number of seconds, then it resumes by itself: an engine wedged with requests
+    in flight, which ``/health`` reports once ``--stall-timeout`` has passed.
     """
 
     def __init__(self, engine: EngineClient, metrics: EngineMetrics, limits: AdmissionLimits | None = None) -> None:
@@ -124,6 +97,7 @@ class AsyncEngine:
         self._inbox: list[tuple[str, RequestStream | str]] = []  # ("add", stream) or ("abort", request_id)
         self._streams: dict[str, RequestStream] = {}  # in flight, guarded by _cond
         self._iterations_allowed: int | None = None  # None: free-running; n >= 0: n more, then freeze
+        self._frozen_until_ts: float | None = None  # the freeze fault
         self._stopping = False
         self._engine_lock = threading.Lock()  # held while the engine thread touches the engine
         self._thread: threading.Thread | None = None
@@ -133,6 +107,8 @@ class AsyncEngine:
         # The engine as of the last loop iteration, published for the HTTP side.
         self.snapshot: EngineSnapshot = engine.snapshot()
         self._publish(self.snapshot)
+        for loop_fault in ("freeze", "engine_paused"):
+            metrics.set_fault(loop_fault, False)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -187,10 +163,6 @@ class AsyncEngine:
         """Seconds with requests in flight and no completed loop iteration; 0 when idle."""
         return time.monotonic() - self.last_progress_ts if self._streams else 0.0
 
-    def estimated_queue_delay_s(self, num_waiting_tokens: int) -> float:
-        """Time to prefill what waits ahead, at the prefill throughput the engine measures as it runs."""
-        return num_waiting_tokens / self.snapshot.prefill_tokens_per_s
-
     def overload_reasons(self) -> list[str]:
         """Why a new request would be refused now; empty when it would be admitted."""
         return [message for _, message in self._overloads()[0]]
@@ -202,24 +174,9 @@ class AsyncEngine:
             raise AdmissionRefused(f"server overloaded: {message}; retry later", reason, max(1, math.ceil(delay_s)))
 
     def _overloads(self) -> tuple[list[tuple[str, str]], float]:
-        """(reason, message) for each admission limit the queue is at, and the estimated queue delay."""
-        limits = self.limits
         with self._cond:
-            pending = [item for kind, item in self._inbox if kind == "add"]
-        num_waiting = self.snapshot.stats.num_waiting + len(pending)
-        waiting_tokens = self.snapshot.num_waiting_tokens + sum(s.request.num_prompt_tokens for s in pending)
-        delay_s = self.estimated_queue_delay_s(waiting_tokens)
-        overloads = []
-        if limits.max_waiting is not None and num_waiting >= limits.max_waiting:
-            overloads.append(("max_waiting", f"{num_waiting} requests are waiting (limit {limits.max_waiting})"))
-        if limits.max_queue_delay_s is not None and delay_s > limits.max_queue_delay_s:
-            overloads.append(
-                (
-                    "max_queue_delay",
-                    f"estimated queue time {delay_s:.1f} s exceeds the limit of {limits.max_queue_delay_s:g} s",
-                )
-            )
-        return overloads, delay_s
+            pending = [item.request for kind, item in self._inbox if kind == "add"]
+        return find_overloads(self.limits, self.snapshot, pending)
 
     # ---- run-time control (admin) ---------------------------------------------------------------
 
@@ -235,12 +192,39 @@ class AsyncEngine:
         self.metrics.set_fault("engine_paused", False)
 
     def update_faults(self, **changes: object) -> dict[str, object]:
-        """Change the faults injected into the engine's steps (``engine.faults``; ``ValueError`` for a bad one;
-        no changes to read them); returns them all. Waits for the step in progress."""
+        """Change faults: the engine's (``engine.faults``) and ``freeze`` (seconds the loop stops for, from now;
+        null or 0 ends a freeze). ``ValueError`` for a bad one, and then nothing changes; no changes to read them.
+        Returns every fault's value (``freeze``: the seconds left). Waits for the step in progress."""
+        freeze = {"freeze": changes.pop("freeze")} if "freeze" in changes else {}
+        freeze_s = freeze.get("freeze") or 0
+        if type(freeze_s) not in (int, float) or freeze_s < 0:
+            raise ValueError(f"freeze must be a number of seconds >= 0 or null, got {freeze_s!r}")
         with self._engine_lock:
             faults = self.engine.update_faults(**changes)
             self._publish(self.engine.snapshot())
-            return faults
+        if freeze:
+            self._freeze(freeze_s)
+        return {**faults, "freeze": self.freeze_remaining_s}
+
+    def clear_faults(self) -> dict[str, object]:
+        """Every fault off, the freeze ended; returns every fault's value."""
+        with self._engine_lock:
+            faults = self.engine.clear_faults()
+            self._publish(self.engine.snapshot())
+        self._freeze(0.0)
+        return {**faults, "freeze": None}
+
+    @property
+    def freeze_remaining_s(self) -> float | None:
+        until = self._frozen_until_ts
+        remaining = None if until is None else until - time.monotonic()
+        return remaining if remaining is not None and remaining > 0 else None
+
+    def _freeze(self, duration_s: float) -> None:
+        with self._cond:
+            self._frozen_until_ts = time.monotonic() + duration_s if duration_s > 0 else None
+            self._cond.notify()
+        self.metrics.set_fault("freeze", duration_s > 0)
 
     @property
     def is_paused(self) -> bool:
@@ -265,6 +249,7 @@ class AsyncEngine:
             pending = [(kind, item if isinstance(item, str) else item.request_id) for kind, item in self._inbox]
         return {
             "paused": self.is_paused,
+            "frozen_for_s": self.freeze_remaining_s,
             "num_iterations": self.num_iterations,
             "num_in_flight": self.num_in_flight,
             "stats": dataclasses.asdict(snapshot.stats),
@@ -293,7 +278,8 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not self._stopping and not self._may_iterate():
-                    self._cond.wait()
+                    self._cond.wait(timeout=self.freeze_remaining_s)  # a freeze ends by itself
+                    self.metrics.set_fault("freeze", self.freeze_remaining_s is not None)
                 if self._stopping:
                     return
                 commands, self._inbox = self._inbox, []
@@ -313,6 +299,8 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _may_iterate(self) -> bool:
+        if self.freeze_remaining_s is not None:
+            return False
         if self._iterations_allowed is not None:  # paused: only the iterations granted by step()
             return self._iterations_allowed > 0
         return bool(self._inbox) or self.engine.has_unfinished_requests()

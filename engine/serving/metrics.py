@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from engine.core.config import PreemptionMode
 from engine.core.outputs import SchedulerStats, StepStats
 from engine.core.request import Request
 
@@ -73,7 +74,12 @@ class EngineMetrics:
         self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
         self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction of host swap blocks in use (0-1)")
         self.free_blocks = labelled(Gauge, "kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
-        self.total_blocks = labelled(Gauge, "kvstorm:total_blocks", "KV blocks per pool", ("pool",))
+        self.total_blocks = labelled(
+            Gauge, "kvstorm:total_blocks", "KV blocks per pool that may be in use (less under a cap fault)", ("pool",)
+        )
+        self.kv_cap_fraction = labelled(
+            Gauge, "kvstorm:kv_cap_fraction", "Fraction of each pool's blocks usable now (1: no cap fault)", ("pool",)
+        )
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
         self.preemptions = labelled(
             Counter, "kvstorm:preemptions", "Preemptions by mode and reason", ("mode", "reason")
@@ -88,6 +94,9 @@ class EngineMetrics:
         )
         self.rejected_requests = labelled(
             Counter, "kvstorm:rejected_requests", "Requests refused before start", ("reason",)
+        )
+        self.recomputed_tokens = counter(
+            "kvstorm:recomputed_tokens", "Computed tokens thrown away by recompute preemptions (computed again later)"
         )
         self.swap_blocks = labelled(Counter, "kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
         self.swap_bytes = labelled(Counter, "kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
@@ -131,6 +140,8 @@ class EngineMetrics:
         for event in step.preemptions:
             self.num_preemptions.inc()
             self._labels(self.preemptions, mode=event.mode.value, reason=event.reason).inc()
+            if event.mode is PreemptionMode.RECOMPUTE:
+                self.recomputed_tokens.inc(event.num_computed_tokens)
 
     def observe_added(self, request: Request) -> None:
         self.prompt_tokens.inc(request.num_prompt_tokens)
@@ -139,12 +150,13 @@ class EngineMetrics:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
-        for pool, free, total in (
-            ("device", stats.num_free_device_blocks, stats.num_device_blocks),
-            ("host", stats.num_free_host_blocks, stats.num_host_blocks),
+        for pool, free, total, physical in (
+            ("device", stats.num_free_device_blocks, stats.num_device_blocks, stats.num_physical_device_blocks),
+            ("host", stats.num_free_host_blocks, stats.num_host_blocks, stats.num_physical_host_blocks),
         ):
             self._labels(self.free_blocks, pool=pool).set(free)
             self._labels(self.total_blocks, pool=pool).set(total)
+            self._labels(self.kv_cap_fraction, pool=pool).set(total / physical if physical else 1.0)
         self._labels(self.batch_limit, of="requests").set(stats.max_num_seqs_now)
         self._labels(self.batch_limit, of="tokens").set(stats.max_num_batched_tokens_now)
         self.kv_cache_usage.set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))

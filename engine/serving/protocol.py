@@ -392,7 +392,8 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/resume": route("post", "The engine loop runs again"),
         "/admin/step": route("post", "A paused engine runs num_steps loop iterations (query, default 1)"),
         "/admin/faults": {
-            **route("get", "The faults injected into the engine's steps (engine/faults.py)"),
-            **route("post", "Change some faults (a JSON object of them); answers with them all"),
+            **route("get", "Every fault's value (engine/faults.py, plus freeze) and the lease left (lease_s)"),
+            **route("post", "Change some faults (a JSON object of them, optionally lease_s); answers with them all"),
+            **route("delete", "Every fault off, the lease ended; answers with them all"),
         },
     }

@@ -25,8 +25,9 @@ from pydantic import BaseModel, ValidationError
 
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
-from engine.serving.admin import admin_routes
-from engine.serving.async_engine import AdmissionRefused, AsyncEngine, EngineFailure, RequestStream
+from engine.serving.admin import add_admin_routes
+from engine.serving.admission import AdmissionRefused
+from engine.serving.async_engine import AsyncEngine, EngineFailure, RequestStream
 from engine.serving.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -80,7 +81,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
 
     app.router.add_get("/openapi.json", openapi)
     if config.admin_token is not None:
-        app.add_routes(admin_routes(async_engine, config.admin_token))
+        add_admin_routes(app, async_engine, config.admin_token)
 
     async def start_engine(app: web.Application) -> None:
         app[ASYNC_ENGINE].start(asyncio.get_running_loop())
@@ -377,6 +378,9 @@ async def _ready(request: web.Request) -> web.Response:
         reasons.append(problem)
     if async_engine.is_paused:
         reasons.append("the engine is paused by an admin")
+    frozen_s = async_engine.freeze_remaining_s
+    if frozen_s is not None:
+        reasons.append(f"the engine loop is frozen by a fault for {frozen_s:.1f} s more")
     reasons.extend(async_engine.overload_reasons())
     body = ReadyResponse(ready=not reasons, reasons=reasons)
     return web.json_response(body.model_dump(), status=200 if not reasons else 503)

@@ -75,7 +75,7 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
         produced += sum(len(o.new_token_ids) for o in engine.step())
         stats = engine.stats()
         peak_running = max(peak_running, stats.num_running)
-        peak_used_blocks = max(peak_used_blocks, stats.num_device_blocks - stats.num_free_device_blocks)
+        peak_used_blocks = max(peak_used_blocks, stats.num_used_device_blocks)
     elapsed = time.perf_counter() - start
     info, stats = engine.info, engine.stats()
     return {

@@ -151,12 +151,32 @@ def test_a_request_that_fails_alone_in_the_smallest_step_ends_with_an_error_and_
     assert not engine.scheduler.back_off.is_backing_off  # ... and successes grow the batch back
 
 
-def test_faults_refuse_unknown_names_and_bad_values():
-    faults = make_engine().runner.faults
-    with pytest.raises(ValueError, match="unknown fault 'oom'"):
-        faults.update(oom=1)
-    with pytest.raises(ValueError, match="fail_next_steps must be an integer >= 0, got -1"):
-        faults.update(fail_next_steps=-1)
-    with pytest.raises(ValueError, match="oom_above_batched_tokens must be an integer >= 0 or null, got '8'"):
-        faults.update(oom_above_batched_tokens="8", fail_next_steps=2)
-    assert faults.fail_next_steps == 0  # nothing of a refused update applies
+def test_faults_refuse_unknown_names_and_bad_values_and_nothing_of_a_refused_update_applies():
+    engine = make_engine()
+    for changes, message in (
+        ({"oom": 1}, "unknown fault 'oom'"),
+        ({"fail_next_steps": -1}, "fail_next_steps must be an integer >= 0, got -1"),
+        ({"oom_above_batched_tokens": "8", "fail_next_steps": 2}, "oom_above_batched_tokens must be an integer >= 0"),
+        ({"kv_cap": {"fraction": 0.5}, "step_delay": -1}, r"step_delay must be a number of seconds in \[0, 60\]"),
+        ({"kv_cap": {"fraction": 1.5}}, r"kv_cap.fraction must be a number in \[0, 1\]"),
+        ({"kv_cap": {"blocks": 3, "fraction": 0.5}}, 'kv_cap must be {"blocks": N} or {"fraction": F} or null'),
+        ({"swap_cap": 0.5}, "swap_cap must be"),
+        ({"memory_hog": 1 << 20}, "memory_hog takes device memory outside the engine and needs a CUDA device"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            engine.update_faults(**changes)
+    assert engine.update_faults() == engine.clear_faults()  # nothing of a refused update applied
+    assert engine.stats().num_device_blocks == engine.stats().num_physical_device_blocks
+
+
+def test_kv_cap_and_swap_cap_shrink_the_pools_and_clearing_gives_the_blocks_back():
+    engine = make_engine()
+    physical = engine.stats().num_physical_device_blocks
+    values = engine.update_faults(kv_cap={"fraction": 0.25}, swap_cap={"blocks": 0})
+    assert (values["kv_cap"], values["swap_cap"]) == ({"fraction": 0.25}, {"blocks": 0})
+    assert engine.stats().num_device_blocks == physical // 4
+    assert engine.stats().num_host_blocks == 0
+    assert engine.snapshot().active_faults["kv_cap"]
+    engine.clear_faults()
+    assert engine.stats().num_device_blocks == physical
+    assert not any(engine.snapshot().active_faults.values())

@@ -1,4 +1,5 @@
-"""Thousands of random add / abort / step operations: the block invariants hold after each, nothing leaks."""
+"""Thousands of random add / abort / step / cap operations: the block invariants hold after each, a pool never holds
+more than its capacity for longer than one step, nothing leaks."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ operations = st.lists(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20)),
         st.tuples(st.just("abort"), st.integers(0, 50), st.just(0)),
         st.tuples(st.just("step"), st.just(0), st.just(0)),
+        st.tuples(st.just("cap"), st.integers(0, NUM_BLOCKS), st.integers(0, NUM_HOST_BLOCKS)),
     ),
     min_size=1,
     max_size=60,
@@ -49,10 +51,16 @@ def test_random_operations_never_break_block_invariants_or_leak(ops, mode, budge
                 added.append(request)
         elif op == "abort" and added:
             scheduler.abort_request(added[a % len(added)].request_id)
+        elif op == "cap":
+            scheduler.kv.device_pool.set_capacity(a)
+            scheduler.kv.host_pool.set_capacity(b)
         else:
             output, _ = fake_step(scheduler)
             assert output.num_batched_tokens <= budget
+            assert scheduler.kv.device_pool.num_over_capacity == 0
         scheduler.check_invariants()
+    scheduler.kv.device_pool.set_capacity(NUM_BLOCKS)  # the cap lifts: everything that waited for it runs
+    scheduler.kv.host_pool.set_capacity(NUM_HOST_BLOCKS)
     run_to_completion(scheduler)
     assert all(r.is_finished for r in added)
     assert scheduler.kv.device_pool.num_free_blocks == NUM_BLOCKS

@@ -17,6 +17,19 @@ def set_faults(server, faults: object) -> requests.Response:
     return requests.post(f"{server.url}/admin/faults", json=faults, headers=server.admin_headers, timeout=60)
 
 
+NO_FAULTS = {
+    "kv_cap": None,
+    "swap_cap": None,
+    "swap_delay_per_block": 0.0,
+    "step_delay": 0.0,
+    "oom_above_batched_tokens": None,
+    "fail_next_steps": 0,
+    "memory_hog": 0,
+    "freeze": None,
+    "lease_s": None,
+}
+
+
 def token_chunks(lines: list[str]) -> int:
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line != "data: [DONE]"]
     return sum(1 for c in chunks if c["choices"] and "text" in c["choices"][0])
@@ -26,8 +39,8 @@ def test_streams_survive_a_vram_cap_and_only_a_request_failing_alone_ends_in_err
     with running_server(make_tiny_engine(max_num_batched_tokens=128), name=TINY) as server:
         # A cap of 16 tokens a step, where the streams' prompts alone need 120: most steps would run out of memory.
         assert set_faults(server, {"oom_above_batched_tokens": 16}).json() == {
+            **NO_FAULTS,
             "oom_above_batched_tokens": 16,
-            "fail_next_steps": 0,
         }
         streams = [
             stream_in_background(server.url, prompt=list(range(1 + i, 1 + i + PROMPT_LEN)), max_tokens=MAX_TOKENS)
@@ -82,7 +95,7 @@ def test_bad_faults_are_refused_with_400_and_change_nothing():
             assert response.status_code == 400, body
             assert fragment in response.json()["error"]["message"]
         current = requests.get(f"{server.url}/admin/faults", headers=server.admin_headers, timeout=60)
-        assert current.json() == {"oom_above_batched_tokens": None, "fail_next_steps": 0}
+        assert current.json() == NO_FAULTS
         assert requests.get(f"{server.url}/admin/faults", timeout=60).status_code == 401
         document = requests.get(f"{server.url}/openapi.json", timeout=60).json()
-        assert set(document["paths"]["/admin/faults"]) == {"get", "post"}
+        assert set(document["paths"]["/admin/faults"]) == {"get", "post", "delete"}
