@@ -20,8 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(BIN)/kvstorm generate --model smollm2-135m --chat --max-tokens 64 \
-		--prompt "What is the capital of France? Answer in one sentence."
+	$(BIN)/kvstorm demo
 
 lint: setup
 	$(BIN)/ruff check .
@@ -31,4 +30,4 @@ test: lint
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache chaos-results

@@ -1,7 +1,7 @@
 """The ``kvstorm`` command: one entry point, one subcommand per job.
 
-The dispatcher owns every subcommand (``engine_commands``, ``bench/``): the packages it drives (engine, loadgen)
-know nothing of the command line, and this package is the only one that imports them all.
+The dispatcher owns every subcommand (``engine_commands``, ``chaos_commands``, ``bench/``): the packages it drives
+(engine, loadgen, chaos) know nothing of the command line, and this package is the only one that imports them all.
 """
 
 from __future__ import annotations
@@ -12,20 +12,24 @@ import time
 
 from kvstorm.bench.doc import update_section
 from kvstorm.bench.offline import add_bench_offline_parser, run_bench_offline
+from kvstorm.bench.preemption_modes import add_bench_preemption_modes_parser, run_bench_preemption_modes
 from kvstorm.bench.serve import (
     add_bench_client_capacity_parser,
     add_bench_serve_parser,
     run_bench_client_capacity,
     run_bench_serve,
 )
+from kvstorm.chaos_commands import add_chaos_parser, add_demo_parser
 from kvstorm.engine_commands import add_generate_parser, add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstorm", description="continuous-batching LLM engine and chaos harness")
     subparsers = parser.add_subparsers(dest="command", required=True)
+    add_demo_parser(subparsers)
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
+    add_chaos_parser(subparsers)
     bench = subparsers.add_parser("bench", help="benchmarks that print numbers and record them in docs/benchmarks.md")
     bench.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     bench_subparsers = bench.add_subparsers(dest="bench", required=True)
@@ -33,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_subparsers.choices["offline"].set_defaults(handler=_bench_handler(run_bench_offline, "offline"))
     add_bench_serve_parser(bench_subparsers)
     bench_subparsers.choices["serve"].set_defaults(handler=_bench_handler(run_bench_serve, "serve"))
+    add_bench_preemption_modes_parser(bench_subparsers)
+    bench_subparsers.choices["preemption-modes"].set_defaults(
+        handler=_bench_handler(run_bench_preemption_modes, "preemption-modes")
+    )
     add_bench_client_capacity_parser(bench_subparsers)
     bench_subparsers.choices["client-capacity"].set_defaults(
         handler=_bench_handler(run_bench_client_capacity, "client-capacity")

@@ -29,7 +29,9 @@ async def run_benchmark(
     extra_body: dict | None = None,
     api_key: str | None = None,
     show_progress: bool = True,
+    counters: RunCounters | None = None,
 ) -> RunResult:
+    """``counters``: live counts for a caller that shows its own progress (a chaos run); fresh ones otherwise."""
     slos = parse_slos(config.slo)  # fail on a bad SLO before sending anything
     arrivals = make_arrivals(
         config.arrival, num_requests=config.num_requests, duration_s=config.duration_s, seed=config.seed
@@ -39,7 +41,7 @@ async def run_benchmark(
     )
     if not plan:
         raise ValueError(f"{config.arrival!r} schedules no request within the run's bounds")
-    counters = RunCounters()
+    counters = counters or RunCounters()
     client = StreamingClient(
         config.base_url,
         config.model,

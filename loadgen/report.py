@@ -29,13 +29,17 @@ LATENCY_ROWS = (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms"), ("e
 SERVER_ROWS = (("KV cache usage",), ("running", "waiting", "swapped"), ("preemptions/s",))
 
 
-def write_report(result: RunResult, path: Path, bucket_s: float = 1.0) -> None:
+def write_report(
+    result: RunResult, path: Path, bucket_s: float = 1.0, *, title: str | None = None, heading_html: str = ""
+) -> None:
+    """``heading_html``: a section a caller puts above the run's own (a chaos run's verdict)."""
     parts = [
+        heading_html,
         _summary_html(result),
         _timeline(result, bucket_s).to_html(full_html=False, include_plotlyjs=True),
         _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
     ]
-    title = f"kvstorm bench serve {result.run_id}"
+    title = title or f"kvstorm bench serve {result.run_id}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

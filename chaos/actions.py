@@ -1,0 +1,184 @@
+"""Chaos Toolkit actions of the kvstorm extension (``provider: {type: python, module: chaos.actions, func: ...}``).
+
+Each returns something JSON-able for the journal and records what it did (loads, fault windows) in the run's state
+(``chaos.state``) for the probes and the verdict. Engine faults need kvstorm's admin token in
+``$KVSTORM_ADMIN_TOKEN``; the rest works against any OpenAI-compatible server.
+
+- ``run_load``: the load generator, to the end of the load (declare it ``background: true`` so the faults that
+  follow in the method happen during it);
+- ``set_engine_faults`` / ``clear_engine_faults``: ``/admin/faults`` (``engine/faults.py``) with a lease, so the
+  engine clears them by itself if this process dies;
+- ``start_proxy`` / ``set_proxy_faults`` / ``reset_proxy_connections`` / ``clear_proxy_faults`` / ``stop_proxy``:
+  network faults between the load and the server (``chaos.proxy``);
+- ``disconnect_storm``: clients hanging up at a phase, then a leak check (``chaos.disconnects``);
+- ``kill_server`` / ``restart_server``: the server this experiment started (``chaos.controls``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+from chaos import load as loads
+from chaos.disconnects import disconnect_storm as run_storm
+from chaos.engine_admin import EngineAdmin
+from chaos.proxy import FaultProxy
+from chaos.state import current
+
+# Faults whose value turns them off (everything else turns them on).
+_OFF = (None, 0, 0.0, False)
+
+
+def run_load(
+    target_url: str,
+    model: str,
+    arrival: str,
+    duration_s: float | None = None,
+    num_requests: int | None = None,
+    workload: str = "random",
+    input_len: str = "fixed:128",
+    output_len: str = "fixed:64",
+    max_concurrency: int | None = None,
+    request_timeout_s: float = 300.0,
+    stall_timeout_s: float = 30.0,
+    seed: int = 0,
+    name: str = "main",
+    metrics_url: str | None = None,
+) -> dict[str, Any]:
+    """An open-loop load (``kvstorm bench serve``'s arrival, workload and length specs) run to its end."""
+    load = loads.run_load(
+        name,
+        target_url,
+        model,
+        arrival=arrival,
+        duration_s=duration_s,
+        num_requests=num_requests,
+        workload=workload,
+        input_len=input_len,
+        output_len=output_len,
+        max_concurrency=max_concurrency,
+        request_timeout_s=request_timeout_s,
+        stall_timeout_s=stall_timeout_s,
+        seed=seed,
+        metrics_url=metrics_url,
+    )
+    return loads.summary_of(load.result)
+
+
+def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 900.0) -> dict[str, Any]:
+    """Change engine faults; every fault set here clears itself ``lease_s`` after the last change (a safety net:
+    the rollbacks clear them first). ``freeze`` gets its window from its own duration."""
+    values = EngineAdmin(target_url).set_faults(faults, lease_s=lease_s)
+    state, now = current(), time.time()
+    for name, value in faults.items():
+        window = f"engine:{name}"
+        if name == "freeze" and value not in _OFF:
+            state.fault_on(window, now)
+            state.fault_off(window, now + float(value))
+        elif value in _OFF:
+            state.fault_off(window, now)
+        else:
+            state.fault_on(window, now)
+    return values
+
+
+def clear_engine_faults(target_url: str) -> dict[str, Any]:
+    values = EngineAdmin(target_url).clear_faults()
+    state, now = current(), time.time()
+    for window in list(state.open_faults):
+        if window.startswith("engine:"):
+            state.fault_off(window, now)
+    return values
+
+
+def start_proxy(upstream_url: str, listen_port: int = 0, name: str = "proxy") -> dict[str, Any]:
+    """A fault proxy in front of ``upstream_url``; point the load at the URL it returns."""
+    parts = urlsplit(upstream_url)
+    proxy = FaultProxy(parts.hostname or "127.0.0.1", parts.port or 80, listen_port=listen_port)
+    port = proxy.start()
+    current().proxies[name] = proxy
+    return {"url": f"http://127.0.0.1:{port}", "port": port}
+
+
+def set_proxy_faults(direction: str = "downstream", name: str = "proxy", **faults: Any) -> dict[str, Any]:
+    """Network faults of one direction (``chaos.proxy.DirectionFaults``: latency_s, jitter_s,
+    bandwidth_bytes_per_s, slice_bytes, stall, reset_after_bytes)."""
+    values = current().proxies[name].set_faults(direction, **faults)
+    window = f"network:{direction}"
+    (current().fault_on if values.is_active else current().fault_off)(window)
+    return {"direction": direction, **{key: getattr(values, key) for key in values.names()}}
+
+
+def reset_proxy_connections(name: str = "proxy") -> dict[str, Any]:
+    """Reset every connection through the proxy now (mid-stream for the streams in flight)."""
+    now = time.time()
+    num_reset = current().proxies[name].reset_connections()
+    current().fault_on("network:reset", now)
+    current().fault_off("network:reset", now + 0.5)  # an instant; half a second keeps it visible on the timeline
+    return {"connections_reset": num_reset}
+
+
+def clear_proxy_faults(name: str = "proxy") -> dict[str, Any]:
+    proxy = current().proxies.get(name)
+    if proxy is not None:
+        proxy.clear_faults()
+    for direction in ("upstream", "downstream"):
+        current().fault_off(f"network:{direction}")
+    return {"cleared": proxy is not None}
+
+
+def stop_proxy(name: str = "proxy") -> dict[str, Any]:
+    proxy = current().proxies.pop(name, None)
+    if proxy is not None:
+        proxy.stop()
+    return {"stopped": proxy is not None}
+
+
+def disconnect_storm(
+    target_url: str,
+    model: str,
+    phase: str,
+    num_requests: int = 8,
+    prompt_len: int = 256,
+    max_tokens: int = 32,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """``num_requests`` clients hang up at ``phase``; then the server must return to its queues and KV usage of
+    before the storm (``chaos.disconnects``)."""
+    window = f"disconnects:{phase}"
+    current().fault_on(window)
+    try:
+        report = run_storm(
+            target_url,
+            model,
+            phase,
+            num_requests=num_requests,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            timeout_s=timeout_s,
+        )
+    finally:
+        current().fault_off(window)
+    current().storms.append(report)
+    return report.to_json()
+
+
+def kill_server(signal_name: str = "SIGKILL") -> dict[str, Any]:
+    """Kill the server this experiment started (``chaos.controls``) with SIGTERM or SIGKILL."""
+    server = current().managed_server
+    if server is None:
+        raise RuntimeError("kill_server needs a server the experiment started (the chaos.controls control)")
+    current().fault_on("server:down")
+    return {"signal": signal_name, "exit_s": round(server.kill(signal_name), 3)}
+
+
+def restart_server(timeout_s: float = 300.0) -> dict[str, Any]:
+    """Start the killed server again; returns the seconds it took to be ready."""
+    server = current().managed_server
+    if server is None:
+        raise RuntimeError("restart_server needs a server the experiment started (the chaos.controls control)")
+    ready_s = server.start(timeout_s)
+    current().fault_off("server:down")
+    current().restarts.append(ready_s)
+    return {"time_to_ready_s": round(ready_s, 2)}

@@ -1,0 +1,174 @@
+"""A server's ``/metrics`` as numbers: scraped, parsed with prometheus-client's parser, compared over time.
+
+Only vLLM's metric names are needed for the checks that must work on any server (queues, KV usage, preemptions,
+finish reasons); kvstorm's own series (``kvstorm:*``: preemptions by mode, swapped blocks, free blocks per pool)
+add detail where they exist.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadgen.results import FaultWindow
+
+LabelSet = frozenset[tuple[str, str]]
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """Every sample of one scrape, by sample name and label set, and when it was taken (``time.time()``)."""
+
+    unix_s: float
+    values: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str, unix_s: float) -> MetricsSample:
+        values: dict[str, dict[LabelSet, float]] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
+        return cls(unix_s, values)
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum over every series of ``name`` whose labels include ``labels`` (0 when there is none)."""
+        wanted = set(labels.items())
+        return sum(value for label_set, value in self.values.get(name, {}).items() if wanted <= label_set)
+
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """``name`` summed per value of one label."""
+        sums: dict[str, float] = {}
+        for label_set, value in self.values.get(name, {}).items():
+            key = dict(label_set).get(label, "")
+            sums[key] = sums.get(key, 0.0) + value
+        return sums
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> MetricsSample:
+    response = requests.get(f"{base_url.rstrip('/')}/metrics", timeout=timeout_s)
+    response.raise_for_status()
+    return MetricsSample.parse(response.text, time.time())
+
+
+@dataclass(frozen=True)
+class EngineActivity:
+    """What a server did between two scrapes (counter deltas) and its queues at the second."""
+
+    preemptions: int
+    preemptions_by_mode: dict[str, int]
+    recomputed_tokens: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swapped_bytes: int
+    failed_steps: int
+    aborted_requests: int
+    finished_by_reason: dict[str, int]
+    rejected_by_reason: dict[str, int]
+
+    @classmethod
+    def between(cls, before: MetricsSample, after: MetricsSample) -> EngineActivity:
+        def delta(name: str, **labels: str) -> int:
+            return round(after.total(name, **labels) - before.total(name, **labels))
+
+        def delta_by(name: str, label: str) -> dict[str, int]:
+            old, new = before.by_label(name, label), after.by_label(name, label)
+            return {key: round(value - old.get(key, 0.0)) for key, value in sorted(new.items())}
+
+        return cls(
+            preemptions=delta("vllm:num_preemptions_total"),
+            preemptions_by_mode=delta_by("kvstorm:preemptions_total", "mode"),
+            recomputed_tokens=delta("kvstorm:recomputed_tokens_total"),
+            swapped_out_blocks=delta("kvstorm:swap_blocks_total", direction="out"),
+            swapped_in_blocks=delta("kvstorm:swap_blocks_total", direction="in"),
+            swapped_bytes=delta("kvstorm:swap_bytes_total"),
+            failed_steps=delta("kvstorm:failed_steps_total"),
+            aborted_requests=delta("vllm:request_success_total", finished_reason="abort"),
+            finished_by_reason=delta_by("vllm:request_success_total", "finished_reason"),
+            rejected_by_reason=delta_by("kvstorm:rejected_requests_total", "reason"),
+        )
+
+
+@dataclass(frozen=True)
+class KVOccupancy:
+    """Requests in the engine's queues and the KV it holds, from one scrape."""
+
+    running: int
+    waiting: int
+    swapped: int
+    device_usage: float
+    host_usage: float
+    # kvstorm only: blocks in use per pool (total minus free); None on other servers.
+    used_blocks: dict[str, int] | None
+
+    @classmethod
+    def of(cls, sample: MetricsSample) -> KVOccupancy:
+        used = None
+        if sample.has("kvstorm:free_blocks"):
+            free, total = (
+                sample.by_label("kvstorm:free_blocks", "pool"),
+                sample.by_label("kvstorm:total_blocks", "pool"),
+            )
+            used = {pool: round(total[pool] - free.get(pool, 0.0)) for pool in total}
+        return cls(
+            running=round(sample.total("vllm:num_requests_running")),
+            waiting=round(sample.total("vllm:num_requests_waiting")),
+            swapped=round(sample.total("vllm:num_requests_swapped")),
+            device_usage=sample.total("vllm:kv_cache_usage_perc"),
+            host_usage=sample.total("vllm:cpu_cache_usage_perc"),
+            used_blocks=used,
+        )
+
+    def within(self, baseline: KVOccupancy) -> bool:
+        """No more requests in any queue and no more KV held than at ``baseline``."""
+        baseline_blocks = baseline.used_blocks or {}
+        blocks_within = self.used_blocks is None or all(
+            used <= baseline_blocks.get(pool, 0) for pool, used in self.used_blocks.items()
+        )
+        return (
+            self.running <= baseline.running
+            and self.waiting <= baseline.waiting
+            and self.swapped <= baseline.swapped
+            and self.device_usage <= baseline.device_usage
+            and self.host_usage <= baseline.host_usage
+            and blocks_within
+        )
+
+
+IDLE = KVOccupancy(running=0, waiting=0, swapped=0, device_usage=0.0, host_usage=0.0, used_blocks=None)
+
+
+def wait_until_settled(
+    base_url: str, timeout_s: float, baseline: KVOccupancy = IDLE, interval_s: float = 0.25
+) -> tuple[float | None, KVOccupancy]:
+    """Poll ``/metrics`` until the server holds no more requests and KV than at ``baseline`` (by default: none):
+    (the seconds it took, or None when it did not within ``timeout_s``; the last occupancy seen)."""
+    start = time.monotonic()
+    while True:
+        occupancy = KVOccupancy.of(scrape(base_url))
+        elapsed = time.monotonic() - start
+        if occupancy.within(baseline):
+            return elapsed, occupancy
+        if elapsed > timeout_s:
+            return None, occupancy
+        time.sleep(interval_s)
+
+
+def time_to_recover(samples: list[MetricsSample], fault_windows: list[FaultWindow]) -> float | None:
+    """Seconds from the end of the last fault until the server's backlog (waiting + swapped requests) is back to
+    the most it was before the first fault; None when it never is within ``samples`` (or there was no fault)."""
+    if not fault_windows:
+        return None
+    first_start = min(w.start_unix for w in fault_windows)
+    last_end = max(w.end_unix for w in fault_windows)
+
+    def backlog(sample: MetricsSample) -> float:
+        return sample.total("vllm:num_requests_waiting") + sample.total("vllm:num_requests_swapped")
+
+    normal = max((backlog(s) for s in samples if s.unix_s < first_start), default=0.0)
+    return next((s.unix_s - last_end for s in samples if s.unix_s >= last_end and backlog(s) <= normal), None)

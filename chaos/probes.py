@@ -1,0 +1,112 @@
+"""Chaos Toolkit probes of the kvstorm extension (``provider: {type: python, module: chaos.probes, func: ...}``).
+
+The steady-state hypothesis runs before the method and again after it, with the same probes:
+
+- probes over a load (``load_latency``, ``load_outcomes``, ``load_success_ratio``) read the load the method ran;
+  before the method, when that load has not run, they read a calm baseline instead: a few requests one at a time
+  with the experiment's request shapes (``chaos.load.load_for_probe``), so "the SLOs hold before" means the server
+  meets them when nothing is wrong;
+- ``settled`` records what the server holds (queues, KV) before the method, and after it waits for the server to
+  return there;
+- ``leaked_kv_blocks`` then counts KV blocks still held beyond that.
+
+Every probe reads only HTTP (``/metrics``, ``/health``), so the hypothesis holds as well against vLLM. Thresholds
+live in each probe's tolerance in the experiment file (a range ``[0, X]`` for a latency in seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import requests
+
+from chaos.load import load_for_probe
+from chaos.metrics import EngineActivity, KVOccupancy, scrape, wait_until_settled
+from chaos.state import current
+from loadgen.analysis import METRICS, STATS
+from loadgen.records import Outcome
+
+NO_VALUE = -1.0  # a latency with no ok request to measure it: outside any [0, X] tolerance
+
+
+def server_healthy(target_url: str) -> bool:
+    try:
+        return requests.get(f"{target_url.rstrip('/')}/health", timeout=10).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def load_latency(metric: str, stat: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> float:
+    """A latency statistic of the load's ok requests in seconds: ``metric`` ttft, tpot, itl or e2e; ``stat`` mean,
+    p50, p90, p95, p99 or max."""
+    if metric not in METRICS or stat not in STATS:
+        raise ValueError(f"metric must be one of {METRICS} and stat one of {tuple(STATS)}, got {metric}, {stat}")
+    stats = getattr(load_for_probe(load, configuration).result.summary, metric)
+    return NO_VALUE if stats is None else round(stats.stat(stat), 4)
+
+
+def load_outcomes(outcome: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> int:
+    """How many of the load's requests ended as ``outcome`` (ok, rejected, broken_stream, client_timeout)."""
+    return load_for_probe(load, configuration).result.summary.outcomes[Outcome(outcome)]
+
+
+def load_success_ratio(load: str = "main", configuration: Mapping[str, Any] | None = None) -> float:
+    """The fraction of the load's requests that streamed cleanly to the end."""
+    summary = load_for_probe(load, configuration).result.summary
+    return round(summary.outcomes[Outcome.OK] / summary.num_requests, 4) if summary.num_requests else 0.0
+
+
+def settled(target_url: str, timeout_s: float = 120.0) -> float:
+    """Before the method: records what the server holds (0 seconds). After: seconds until it holds no more
+    requests and KV than that again, or -1 if it does not within ``timeout_s`` (a leak, or a server that never
+    recovers)."""
+    state = current()
+    if state.baseline_occupancy is None:
+        state.baseline_occupancy = KVOccupancy.of(scrape(target_url))
+        return 0.0
+    seconds, _ = wait_until_settled(target_url, timeout_s, state.baseline_occupancy)
+    return NO_VALUE if seconds is None else round(seconds, 2)
+
+
+def leaked_kv_blocks(target_url: str) -> int:
+    """KV blocks held beyond what the server held before the method, both pools (kvstorm's block gauges); on a
+    server without them, 1 when its KV usage is above what it was, else 0."""
+    occupancy = KVOccupancy.of(scrape(target_url))
+    baseline = current().baseline_occupancy or occupancy
+    if occupancy.used_blocks is not None:
+        before = baseline.used_blocks or {}
+        return sum(max(0, used - before.get(pool, 0)) for pool, used in occupancy.used_blocks.items())
+    return int(occupancy.device_usage > baseline.device_usage or occupancy.host_usage > baseline.host_usage)
+
+
+def storms_with_leaks() -> int:
+    """Disconnect storms (``chaos.actions.disconnect_storm``) after which the server did not return to its queues and
+    KV usage of before, or counted fewer aborts than clients hung up."""
+    return sum(storm.leaked or storm.num_aborts_counted < storm.num_hung_up for storm in current().storms)
+
+
+def preemptions(load: str = "main", mode: str | None = None) -> int:
+    """Preemptions while the load ran (``mode``: swap or recompute, kvstorm only; all of them otherwise)."""
+    activity = _activity(load)
+    return activity.preemptions if mode is None else activity.preemptions_by_mode.get(mode, 0)
+
+
+def swapped_out_blocks(load: str = "main") -> int:
+    """KV blocks swapped out to host memory while the load ran (kvstorm)."""
+    return _activity(load).swapped_out_blocks
+
+
+def promql(prometheus_url: str, query: str) -> float:
+    """The value of an instant PromQL query (the first series; -1 when it returns none)."""
+    response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/query", params={"query": query}, timeout=30)
+    response.raise_for_status()
+    result = response.json()["data"]["result"]
+    return float(result[0]["value"][1]) if result else NO_VALUE
+
+
+def _activity(load: str) -> EngineActivity:
+    run = current().loads.get(load)
+    if run is None or run.metrics_before is None or run.metrics_after is None:
+        raise RuntimeError(f"load {load!r} has not run to its end")
+    return EngineActivity.between(run.metrics_before, run.metrics_after)

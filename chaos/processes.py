@@ -1,0 +1,89 @@
+"""A server process the harness starts itself, so it can kill it (SIGTERM or SIGKILL) and start it again.
+
+Time to ready is measured from the start of the process to the first 200 from its readiness URL. Its output goes to
+a log file beside the experiment's results, not to the terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+class ManagedServer:
+    """``command``: a list or a shell-like string; a leading ``python`` (or ``kvstorm``) means the interpreter (or
+    the kvstorm of) the harness itself, which need not be on the PATH."""
+
+    def __init__(self, command: list[str] | str, ready_url: str, log_path: Path | None = None) -> None:
+        self.command = _resolve(shlex.split(command) if isinstance(command, str) else list(command))
+        self.ready_url = ready_url
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout_s: float = 300.0) -> float:
+        """Start it and wait until it is ready; returns the seconds that took."""
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        started = time.monotonic()
+        # Its own process group: a kill reaches whatever it started too.
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        while time.monotonic() - started < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{shlex.join(self.command)} exited with {self.process.returncode} before ready")
+            try:
+                if requests.get(self.ready_url, timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"{shlex.join(self.command)} was not ready at {self.ready_url} within {timeout_s:g} s")
+
+    def kill(self, signal_name: str = "SIGKILL", timeout_s: float = 60.0) -> float:
+        """Send the signal to the process group and wait for the process to end; returns the seconds it took."""
+        if not self.is_running:
+            raise RuntimeError("the managed server is not running")
+        signum = signal.Signals[signal_name]
+        started = time.monotonic()
+        os.killpg(self.process.pid, signum)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+        return time.monotonic() - started
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not end within 30 s; nothing if it is not running."""
+        if self.is_running:
+            self.kill("SIGTERM", timeout_s=30.0)
+
+
+def _resolve(command: list[str]) -> list[str]:
+    if not command:
+        raise ValueError("a managed server needs a command")
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    if command[0] == "kvstorm":
+        return [sys.executable, "-m", "kvstorm", *command[1:]]
+    return command
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

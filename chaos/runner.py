@@ -1,0 +1,115 @@
+"""``kvstorm chaos run``: a Chaos Toolkit experiment file run through chaostoolkit-lib (the same engine as the
+stock ``chaos run``), with a live progress line, a verdict table, and a results folder:
+
+    chaos-results/<experiment>-<time>/
+        journal.json     Chaos Toolkit's journal (what ``chaos run --journal-path`` writes)
+        verdict.md       the verdict tables
+        report.html      the load's report with every fault window as a band, the verdict on top
+        load.json        the load generator's results (every request record)
+        chaostoolkit.log
+
+Rollbacks run whatever happens (strategy ``always``, also on Ctrl-C); the faults set through ``chaos.actions``
+carry a lease besides, so an engine clears them even if this process dies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaoslib.configuration import load_configuration
+from chaoslib.control import load_global_controls
+from chaoslib.experiment import run_experiment
+from chaoslib.loader import load_experiment
+from rich.console import Console
+
+from chaos.progress import LiveLine
+from chaos.state import reset
+from chaos.verdict import Verdict, build_verdict
+from chaos.verdict_view import print_verdict, to_html, to_markdown
+from loadgen.report import write_report
+from loadgen.results import RunResult
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
+SETTINGS = {
+    "runtime": {"rollbacks": {"strategy": "always"}},
+    "controls": {"kvstorm-progress": {"provider": {"type": "python", "module": "chaos.progress"}}},
+}
+
+
+@dataclass(frozen=True)
+class ExperimentRun:
+    verdict: Verdict
+    journal: dict[str, Any]
+    results_dir: Path
+    # The experiment's main load, every request record of it.
+    load: RunResult | None
+
+    @property
+    def report_path(self) -> Path:
+        return self.results_dir / "report.html"
+
+
+def resolve_experiment(name_or_path: str) -> Path:
+    """A path, or the name of an experiment of the library (``chaos/experiments/<name>.yaml``)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    library = EXPERIMENTS_DIR / f"{name_or_path.removesuffix('.yaml')}.yaml"
+    if library.exists():
+        return library
+    names = ", ".join(sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml")))
+    raise FileNotFoundError(f"no experiment {name_or_path!r}: not a file, and the library has {names}")
+
+
+def run_experiment_file(
+    path: Path, variables: Mapping[str, Any], results_root: Path, console: Console | None = None
+) -> ExperimentRun:
+    """Run one experiment with its configuration overridden by ``variables`` (``target_url``, ``model``, ...)."""
+    console = console or Console(stderr=True)
+    experiment = load_experiment(str(path))
+    state = reset()
+    results_dir = results_root / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    configuration = load_configuration(experiment.get("configuration", {}), dict(variables))
+    load_global_controls(SETTINGS)
+    log_handler = _log_to(results_dir / "chaostoolkit.log")
+    try:
+        with LiveLine(configuration.get("target_url", ""), console) as line:
+            journal = run_experiment(
+                experiment, settings=SETTINGS, experiment_vars=(dict(variables), {}), event_handlers=[line]
+            )
+    finally:
+        logging.getLogger("chaostoolkit").removeHandler(log_handler)
+        for proxy in state.proxies.values():
+            proxy.stop()
+    verdict = build_verdict(journal, state, configuration)
+    (results_dir / "journal.json").write_text(json.dumps(journal, indent=1, default=str))
+    (results_dir / "verdict.md").write_text(to_markdown(verdict) + "\n")
+    main = state.main_load()
+    if main is not None and main.result is not None:
+        main.result.fault_windows = list(state.fault_windows)
+        main.result.write(results_dir / "load.json")
+        write_report(
+            main.result,
+            results_dir / "report.html",
+            title=f"kvstorm chaos run: {verdict.title}",
+            heading_html=to_html(verdict),
+        )
+    print_verdict(verdict, console)
+    return ExperimentRun(verdict, journal, results_dir, None if main is None else main.result)
+
+
+def _log_to(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("chaostoolkit")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # the log file, not the terminal under the progress line
+    return handler

@@ -1,0 +1,84 @@
+"""What one experiment run has done so far, shared by its actions, probes and controls.
+
+Chaos Toolkit calls each activity as a plain function (background ones in threads) and keeps nothing between them,
+so the run's state lives here, one per process: ``chaos run`` runs one experiment per process, and ``kvstorm chaos
+run`` calls ``reset`` before each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from chaos.disconnects import StormReport
+from chaos.metrics import KVOccupancy, MetricsSample
+from chaos.processes import ManagedServer
+from chaos.proxy import FaultProxy
+from loadgen.counters import RunCounters
+from loadgen.results import FaultWindow, RunResult
+
+
+@dataclass
+class LoadRun:
+    """One load the experiment ran (or the calm baseline the steady state measures before the method)."""
+
+    name: str
+    counters: RunCounters = field(default_factory=RunCounters)
+    result: RunResult | None = None
+    metrics_before: MetricsSample | None = None
+    metrics_after: MetricsSample | None = None
+    # /metrics every second while it ran (chaos.monitor).
+    samples: list[MetricsSample] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class RunState:
+    started_unix: float = field(default_factory=time.time)
+    loads: dict[str, LoadRun] = field(default_factory=dict)
+    # The baseline load the steady-state probes measure when the load they name has not run yet.
+    baseline: LoadRun | None = None
+    # Faults by window name ("engine:kv_cap", "network:downstream", ...): when they went on (unix seconds), and
+    # the closed windows.
+    open_faults: dict[str, float] = field(default_factory=dict)
+    fault_windows: list[FaultWindow] = field(default_factory=list)
+    # What the server held before the method (the first "settled" probe records it).
+    baseline_occupancy: KVOccupancy | None = None
+    proxies: dict[str, FaultProxy] = field(default_factory=dict)
+    storms: list[StormReport] = field(default_factory=list)
+    managed_server: ManagedServer | None = None
+    restarts: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def main_load(self) -> LoadRun | None:
+        """The load named "main", else the first one the experiment ran."""
+        return self.loads.get("main") or next(iter(self.loads.values()), None)
+
+    def fault_on(self, name: str, now: float | None = None) -> None:
+        with self.lock:
+            self.open_faults.setdefault(name, now or time.time())
+
+    def fault_off(self, name: str, now: float | None = None) -> None:
+        with self.lock:
+            start = self.open_faults.pop(name, None)
+            if start is not None:
+                self.fault_windows.append(FaultWindow(name=name, start_unix=start, end_unix=now or time.time()))
+
+    def all_faults_off(self, now: float | None = None) -> None:
+        for name in list(self.open_faults):
+            self.fault_off(name, now)
+
+
+_run = RunState()
+
+
+def reset() -> RunState:
+    """A fresh state for the next experiment."""
+    global _run
+    _run = RunState()
+    return _run
+
+
+def current() -> RunState:
+    return _run

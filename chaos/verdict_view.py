@@ -1,0 +1,157 @@
+"""A verdict as tables: one list of sections, rendered for the terminal (rich), markdown and the HTML report."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from chaos.verdict import Verdict
+from loadgen.records import Outcome
+
+STATUS_WORDS = {
+    "held": "HELD",
+    "deviated": "DEVIATED",
+    "failed_before": "NOT RUN",
+    "aborted": "ABORTED",
+    "interrupted": "INTERRUPTED",
+}
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    # Per row: True met, False missed, None neither (colours the row).
+    marks: list[bool | None]
+
+
+def sections(verdict: Verdict) -> list[Section]:
+    result = [_checks(verdict)]
+    if verdict.load is not None:
+        result.append(_load(verdict))
+    if verdict.activity is not None:
+        result.append(_activity(verdict))
+    if verdict.storms:
+        keys = tuple(verdict.storms[0])
+        rows = [tuple(_cell(storm[key]) for key in keys) for storm in verdict.storms]
+        result.append(Section("Disconnect storms", keys, rows, [not storm["leaked"] for storm in verdict.storms]))
+    result.append(_timeline(verdict))
+    return result
+
+
+def headline(verdict: Verdict) -> str:
+    return f"{verdict.title}: {STATUS_WORDS[verdict.status]} ({verdict.reason})"
+
+
+def print_verdict(verdict: Verdict, console: Console) -> None:
+    tables = []
+    for section in sections(verdict):
+        table = Table(title=section.title, title_justify="left", header_style="bold")
+        for column in section.header:
+            table.add_column(column)
+        for row, mark in zip(section.rows, section.marks, strict=True):
+            table.add_row(*row, style={True: "green", False: "red", None: ""}[mark])
+        tables.append(table)
+    style = "bold green" if verdict.held else "bold red"
+    console.print(Group(*tables, Text(headline(verdict), style=style)))
+
+
+def to_markdown(verdict: Verdict) -> str:
+    parts = [f"**{headline(verdict)}**"]
+    for section in sections(verdict):
+        lines = [f"| {' | '.join(section.header)} |", "|" + "---|" * len(section.header)]
+        lines += [f"| {' | '.join(row)} |" for row in section.rows]
+        parts.append(f"{section.title}:\n\n" + "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def to_html(verdict: Verdict) -> str:
+    parts = [f"<h2 class='{'met' if verdict.held else 'missed'}'>{html.escape(headline(verdict))}</h2>"]
+    for section in sections(verdict):
+        header = "".join(f"<th>{html.escape(column)}</th>" for column in section.header)
+        rows = "".join(
+            f"<tr class='{ {True: 'met', False: 'missed', None: ''}[mark] }'>"
+            + "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
+            + "</tr>"
+            for row, mark in zip(section.rows, section.marks, strict=True)
+        )
+        parts.append(f"<h3>{html.escape(section.title)}</h3><table><tr>{header}</tr>{rows}</table>")
+    return "".join(parts)
+
+
+def _checks(verdict: Verdict) -> Section:
+    rows, marks = [], []
+    for check in verdict.checks:
+        result = "not run" if check.met is None else ("pass" if check.met else "FAIL")
+        if check.evaluated_late:
+            result += " (evaluated after Chaos Toolkit stopped)"
+        rows.append((check.name, check.expectation, _cell(check.before), _cell(check.after), result))
+        marks.append(check.met)
+    return Section(
+        "Steady state (before: calm baseline; after: the experiment's load)",
+        ("check", "expected", "before", "after", "result"),
+        rows,
+        marks,
+    )
+
+
+def _load(verdict: Verdict) -> Section:
+    s = verdict.load
+    outcomes = ", ".join(f"{outcome.value} {s.outcomes[outcome]}" for outcome in Outcome)
+    rows = [("requests", f"{s.num_requests} in {s.duration_s:.1f} s ({outcomes})")]
+    for metric in ("ttft", "tpot", "itl", "e2e"):
+        stats = getattr(s, metric)
+        if stats is not None:
+            rows.append(
+                (f"{metric.upper()} p50 / p99 / max", f"{_ms(stats.p50)} / {_ms(stats.p99)} / {_ms(stats.max)}")
+            )
+    rows.append(("throughput", f"{s.request_throughput:.2f} ok req/s, {s.output_token_throughput:.1f} output tok/s"))
+    marks = [s.outcomes[Outcome.BROKEN_STREAM] == 0] + [None] * (len(rows) - 1)
+    return Section("The load, as its clients saw it", ("", "value"), rows, marks)
+
+
+def _activity(verdict: Verdict) -> Section:
+    a = verdict.activity
+    by_mode = ", ".join(f"{mode} {count}" for mode, count in a.preemptions_by_mode.items() if count)
+    rows = [
+        ("preemptions", f"{a.preemptions}" + (f" ({by_mode})" if by_mode else "")),
+        (
+            "KV blocks swapped out / in",
+            f"{a.swapped_out_blocks} / {a.swapped_in_blocks} ({a.swapped_bytes / 2**20:.1f} MiB)",
+        ),
+        ("failed steps (backed off)", f"{a.failed_steps}"),
+        ("finished by reason", ", ".join(f"{k} {v}" for k, v in a.finished_by_reason.items() if v) or "-"),
+        ("refused before start", ", ".join(f"{k} {v}" for k, v in a.rejected_by_reason.items() if v) or "0"),
+    ]
+    return Section("The server during the load (from /metrics)", ("", "value"), rows, [None] * len(rows))
+
+
+def _timeline(verdict: Verdict) -> Section:
+    rows = [(window.name, f"{window.end_unix - window.start_unix:.1f} s") for window in verdict.fault_windows]
+    if verdict.fault_windows:
+        recovery = "not within the load" if verdict.recovery_s is None else _seconds(verdict.recovery_s)
+        rows.append(("time to recover (last fault off -> backlog back to its pre-fault level)", recovery))
+    rows += [("restart: time to ready", _seconds(ready_s)) for ready_s in verdict.restarts_s]
+    return Section("Faults and recovery", ("", "duration"), rows, [None] * len(rows))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def _ms(value: float) -> str:
+    return f"{value * 1e3:.0f} ms"
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} s"
