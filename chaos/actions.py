@@ -110,13 +110,19 @@ def set_proxy_faults(direction: str = "downstream", name: str = "proxy", **fault
     return {"direction": direction, **{key: getattr(values, key) for key in values.names()}}
 
 
-def reset_proxy_connections(name: str = "proxy") -> dict[str, Any]:
-    """Reset every connection through the proxy now (mid-stream for the streams in flight)."""
+def reset_proxy_connections(name: str = "proxy", wait_for_streams_s: float = 30.0) -> dict[str, Any]:
+    """Reset every connection through the proxy, mid-stream: as soon as a response is streaming through it (up to
+    ``wait_for_streams_s``; then whatever is open)."""
+    proxy = current().proxies[name]
+    deadline = time.monotonic() + wait_for_streams_s
+    while proxy.num_streaming() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    num_streaming = proxy.num_streaming()
     now = time.time()
-    num_reset = current().proxies[name].reset_connections()
+    num_reset = proxy.reset_connections()
     current().fault_on("network:reset", now)
     current().fault_off("network:reset", now + 0.5)  # an instant; half a second keeps it visible on the timeline
-    return {"connections_reset": num_reset}
+    return {"connections_reset": num_reset, "streaming": num_streaming}
 
 
 def clear_proxy_faults(name: str = "proxy") -> dict[str, Any]:

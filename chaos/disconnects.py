@@ -10,8 +10,9 @@ server without admin routes, ``queued`` and ``prefill`` fall back to "before the
 ``BLIND_HANG_UP_S`` after the response started, unless a token came first).
 
 Every stream of the storm hangs up at its phase or is counted as missed (it finished, or never reached the phase,
-before ``timeout_s``). Afterwards ``leak_check`` waits for the server's queues and KV usage to return to what they
-were before the storm, and compares the aborts it counted with the hang-ups.
+before ``timeout_s``). Afterwards the server's queues and KV usage must return to what they were before the storm,
+and it must have counted an abort for every hang-up, except at the last token: that hang-up may reach the server
+after it sent the last token and finished the request (a race the client cannot tell from a lost abort).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class StormReport:
     def leaked(self) -> bool:
         return self.settled_s is None
 
+    @property
+    def num_aborts_missing(self) -> int:
+        if self.phase == "last_token":
+            return 0
+        return max(0, self.num_hung_up - self.num_aborts_counted)
+
     def to_json(self) -> dict[str, object]:
         return {
             "phase": self.phase,
@@ -59,6 +66,7 @@ class StormReport:
             "missed": self.num_missed,
             "settled_s": None if self.settled_s is None else round(self.settled_s, 2),
             "aborts_counted": self.num_aborts_counted,
+            "aborts_missing": self.num_aborts_missing,
             "leaked": self.leaked,
         }
 

@@ -82,8 +82,8 @@ def leaked_kv_blocks(target_url: str) -> int:
 
 def storms_with_leaks() -> int:
     """Disconnect storms (``chaos.actions.disconnect_storm``) after which the server did not return to its queues and
-    KV usage of before, or counted fewer aborts than clients hung up."""
-    return sum(storm.leaked or storm.num_aborts_counted < storm.num_hung_up for storm in current().storms)
+    KV usage of before, or counted fewer aborts than clients hung up (``StormReport.num_aborts_missing``)."""
+    return sum(storm.leaked or storm.num_aborts_missing > 0 for storm in current().storms)
 
 
 def preemptions(load: str = "main", mode: str | None = None) -> int:

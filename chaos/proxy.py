@@ -56,6 +56,7 @@ class DirectionFaults:
 class _Connection:
     def __init__(self, client: asyncio.StreamWriter, server: asyncio.StreamWriter) -> None:
         self.writers = (client, server)
+        self.last_downstream_ts = float("-inf")  # the proxy loop's clock
 
     def reset(self) -> None:
         """Close both sockets with an RST, the way a peer that crashed does."""
@@ -123,6 +124,15 @@ class FaultProxy:
             return len(connections)
 
         return self._call(reset_all())
+
+    def num_streaming(self, within_s: float = 1.0) -> int:
+        """Open connections that forwarded a response byte within the last ``within_s`` seconds."""
+
+        async def count() -> int:
+            now = asyncio.get_running_loop().time()
+            return sum(now - c.last_downstream_ts <= within_s for c in self._connections)
+
+        return self._call(count())
 
     @property
     def num_connections(self) -> int:
@@ -204,6 +214,8 @@ class FaultProxy:
                     writer.write(piece)
                     await writer.drain()
                     num_sent += len(piece)
+                    if direction == "downstream":
+                        connection.last_downstream_ts = loop.time()
             if writer.can_write_eof():
                 writer.write_eof()
         finally:

@@ -40,7 +40,8 @@ def sections(verdict: Verdict) -> list[Section]:
     if verdict.storms:
         keys = tuple(verdict.storms[0])
         rows = [tuple(_cell(storm[key]) for key in keys) for storm in verdict.storms]
-        result.append(Section("Disconnect storms", keys, rows, [not storm["leaked"] for storm in verdict.storms]))
+        marks = [not (storm["leaked"] or storm["aborts_missing"]) for storm in verdict.storms]
+        result.append(Section("Disconnect storms", keys, rows, marks))
     result.append(_timeline(verdict))
     return result
 

@@ -79,9 +79,16 @@ def test_latency_delays_the_first_token_without_throttling_the_stream(proxy):
 
 
 def test_a_reset_mid_stream_is_a_broken_stream(proxy):
-    timer = later(0.4, proxy.reset_connections)  # first tokens out, last ones not yet
+    streaming: list[int] = []
+
+    def reset() -> None:  # first tokens out, last ones not yet
+        streaming.append(proxy.num_streaming())
+        proxy.reset_connections()
+
+    timer = later(0.4, reset)
     result = run_through(proxy)
     timer.join()
+    assert streaming == [NUM_STREAMS]
     assert outcomes(result) == {Outcome.BROKEN_STREAM: NUM_STREAMS}
     assert all(0 < r.delivered_tokens < TOKENS for r in result.records)
 
