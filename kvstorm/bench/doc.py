@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 HEADER = (
     "# kvstorm benchmarks\n\n"
     "Measured numbers, each with the command that reproduces it. Sections are rewritten by their benchmark.\n"

@@ -1,0 +1,25 @@
+"""docs/benchmarks.md: each benchmark rewrites its own section and nothing else."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvstorm.bench.doc import DEFAULT_PATH, update_section
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_benchmarks_write_to_the_repositorys_docs():
+    assert DEFAULT_PATH == REPO_ROOT / "docs" / "benchmarks.md"
+    assert DEFAULT_PATH.exists()
+
+
+def test_a_section_is_replaced_in_place_and_a_new_one_appended(tmp_path):
+    path = tmp_path / "benchmarks.md"
+    update_section("a", "first", path)
+    update_section("b", "second", path)
+    update_section("a", "first, again", path)
+    text = path.read_text()
+    assert text.index("first, again") < text.index("second")
+    assert "first\n" not in text
+    assert text.count("<!-- bench:a -->") == 1
