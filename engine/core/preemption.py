@@ -11,9 +11,10 @@ class PreemptionPolicy:
     ``auto`` compares estimated costs: moving the victim's blocks out and back
     at the copy bandwidth against re-running its computed tokens at the prefill
     throughput. Both start from a measurement at start-up and follow what the
-    engine then observes (exponential moving averages of its swaps and of its
-    prefill-heavy steps), so a host link that slows down turns ``auto`` towards
-    recompute. A swap that does not fit in the host pool falls back to recompute.
+    engine then observes (exponential moving averages of the cost per byte of its
+    swaps and per token of its prefill-heavy steps), so a host link that slows
+    down turns ``auto`` towards recompute within a few swaps. A swap that does not
+    fit in the host pool falls back to recompute.
     """
 
     SMOOTHING = 0.2
@@ -27,14 +28,24 @@ class PreemptionPolicy:
     ) -> None:
         self.mode = mode
         self.bytes_per_block = bytes_per_block
-        self.copy_bytes_per_s = copy_bytes_per_s
-        self.prefill_tokens_per_s = prefill_tokens_per_s
+        # Costs per unit, averaged: an average of rates would let one fast start-up measurement hide a link that
+        # became a hundred times slower for dozens of samples; an average of costs follows it within a few.
+        self.seconds_per_byte = 1 / copy_bytes_per_s
+        self.seconds_per_prefill_token = 1 / prefill_tokens_per_s
+
+    @property
+    def copy_bytes_per_s(self) -> float:
+        return 1 / self.seconds_per_byte
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return 1 / self.seconds_per_prefill_token
 
     def swap_cost_s(self, num_blocks: int) -> float:
-        return 2 * num_blocks * self.bytes_per_block / self.copy_bytes_per_s
+        return 2 * num_blocks * self.bytes_per_block * self.seconds_per_byte
 
     def recompute_cost_s(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s
+        return num_tokens * self.seconds_per_prefill_token
 
     def choose(self, num_blocks: int, num_computed_tokens: int, host_has_room: bool) -> tuple[PreemptionMode, str]:
         """The mode for this victim and why."""
@@ -50,11 +61,12 @@ class PreemptionPolicy:
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
-            self.prefill_tokens_per_s = self._smoothed(self.prefill_tokens_per_s, num_tokens / seconds)
+            self.seconds_per_prefill_token = self._smoothed(self.seconds_per_prefill_token, seconds / num_tokens)
 
     def observe_swap(self, num_blocks: int, seconds: float) -> None:
         if num_blocks > 0 and seconds > 0:
-            self.copy_bytes_per_s = self._smoothed(self.copy_bytes_per_s, num_blocks * self.bytes_per_block / seconds)
+            sample = seconds / (num_blocks * self.bytes_per_block)
+            self.seconds_per_byte = self._smoothed(self.seconds_per_byte, sample)
 
     def _smoothed(self, average: float, sample: float) -> float:
         return (1 - self.SMOOTHING) * average + self.SMOOTHING * sample
