@@ -47,11 +47,10 @@ def run_load(
     metrics_url: str | None = None,
 ) -> dict[str, Any]:
     """An open-loop load (``kvstorm bench serve``'s arrival, workload and length specs) run to its end."""
-    load = loads.run_load(
-        name,
+    config = loads.load_config(
         target_url,
         model,
-        arrival=arrival,
+        arrival,
         duration_s=duration_s,
         num_requests=num_requests,
         workload=workload,
@@ -61,8 +60,8 @@ def run_load(
         request_timeout_s=request_timeout_s,
         stall_timeout_s=stall_timeout_s,
         seed=seed,
-        metrics_url=metrics_url,
     )
+    load = loads.run_load(name, config, metrics_url)
     return loads.summary_of(load.result)
 
 

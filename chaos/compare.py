@@ -65,7 +65,7 @@ def comparison_markdown(runs: Sequence[ModeRun]) -> str:
         "| mode | verdict | ok / broken / timed out | TTFT p50 / p99 s | TPOT p50 / p99 ms | E2E p50 / p99 s "
         "| preemptions (swap / recompute) | swapped out | recomputed tokens | goodput req/s |"
     )
-    lines = [header, "|" + "---|" * header.count(" | ")]
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for mode_run in runs:
         verdict = mode_run.run.verdict
         load, activity = verdict.load, verdict.activity

@@ -15,44 +15,35 @@ from loadgen.results import RunConfig, RunResult
 BASELINE_REQUESTS = 3
 
 
-def run_load(
-    name: str,
-    target_url: str,
-    model: str,
-    *,
-    arrival: str,
-    duration_s: float | None = None,
-    num_requests: int | None = None,
-    workload: str = "random",
-    input_len: str = "fixed:128",
-    output_len: str = "fixed:64",
-    max_concurrency: int | None = None,
-    request_timeout_s: float = 300.0,
-    stall_timeout_s: float = 30.0,
-    seed: int = 0,
-    metrics_url: str | None = None,
-) -> LoadRun:
+HARNESS_DEFAULTS: dict[str, Any] = {
+    "workload": "random",
+    "input_len": "fixed:128",
+    "output_len": "fixed:64",
+    "num_requests": None,
+    "duration_s": None,
+    "max_concurrency": None,
+    "request_timeout_s": 300.0,
+    "stall_timeout_s": 30.0,
+    "seed": 0,
+}
+
+
+def load_config(target_url: str, model: str, arrival: str, **fields: Any) -> RunConfig:
+    """A load's configuration: ``fields`` over the harness's defaults, exact output lengths, no SLO of its own (the
+    experiment's probes judge)."""
+    unknown = set(fields) - set(HARNESS_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown load settings {sorted(unknown)}")
+    values = {**HARNESS_DEFAULTS, **fields}
+    return RunConfig(base_url=target_url, model=model, arrival=arrival, exact_output=True, slo=None, **values)
+
+
+def run_load(name: str, config: RunConfig, metrics_url: str | None = None) -> LoadRun:
     """Run a load to its end and record it in the run's state under ``name``. ``metrics_url``: where the server's
-    ``/metrics`` are when the load goes through something else (a fault proxy); default ``target_url``."""
+    ``/metrics`` are when the load goes through something else (a fault proxy); default the load's target."""
     load = LoadRun(name)
     current().loads[name] = load
-    config = RunConfig(
-        base_url=target_url,
-        model=model,
-        arrival=arrival,
-        workload=workload,
-        input_len=input_len,
-        output_len=output_len,
-        num_requests=num_requests,
-        duration_s=duration_s,
-        max_concurrency=max_concurrency,
-        request_timeout_s=request_timeout_s,
-        stall_timeout_s=stall_timeout_s,
-        exact_output=True,
-        seed=seed,
-        slo=None,
-    )
-    _execute(load, config, metrics_url or target_url)
+    _execute(load, config, metrics_url or config.base_url)
     return load
 
 
@@ -87,21 +78,13 @@ def load_for_probe(name: str, configuration: Mapping[str, Any] | None) -> LoadRu
         if "target_url" not in config or "model" not in config:
             raise ValueError("the experiment's configuration needs target_url and model for the baseline load")
         state.baseline = LoadRun("baseline")
-        baseline_config = RunConfig(
-            base_url=config["target_url"],
-            model=config["model"],
-            arrival="constant:rate=100",
-            workload=config.get("workload", "random"),
-            input_len=config.get("input_len", "fixed:128"),
-            output_len=config.get("output_len", "fixed:64"),
+        baseline_config = load_config(
+            config["target_url"],
+            config["model"],
+            "constant:rate=100",
             num_requests=int(config.get("baseline_requests", BASELINE_REQUESTS)),
-            duration_s=None,
             max_concurrency=1,
-            request_timeout_s=300.0,
-            stall_timeout_s=30.0,
-            exact_output=True,
-            seed=0,
-            slo=None,
+            **{key: config[key] for key in ("workload", "input_len", "output_len") if key in config},
         )
         _execute(state.baseline, baseline_config, config["target_url"])
     return state.baseline

@@ -126,6 +126,7 @@ def _activity(verdict: Verdict) -> Section:
             "KV blocks swapped out / in",
             f"{a.swapped_out_blocks} / {a.swapped_in_blocks} ({a.swapped_bytes / 2**20:.1f} MiB)",
         ),
+        ("tokens recomputed after preemption", f"{a.recomputed_tokens}"),
         ("failed steps (backed off)", f"{a.failed_steps}"),
         ("finished by reason", ", ".join(f"{k} {v}" for k, v in a.finished_by_reason.items() if v) or "-"),
         ("refused before start", ", ".join(f"{k} {v}" for k, v in a.rejected_by_reason.items() if v) or "0"),

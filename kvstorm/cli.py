@@ -68,16 +68,20 @@ def _bench_handler(run, section: str):
     return handler
 
 
+# Where a run wrote its raw results: a path on this machine, not part of what reproduces the numbers.
+OUTPUT_FLAGS = ("--json", "--results-dir")
+
+
 def reproducible_args(argv: list[str]) -> list[str]:
-    """The command line without where this run wrote its raw results (``--json PATH``: a path on this machine)."""
+    """The command line without the flags that say where this run wrote its raw results (``OUTPUT_FLAGS``)."""
     kept: list[str] = []
     skip_next = False
     for arg in argv:
         if skip_next:
             skip_next = False
-        elif arg == "--json":
+        elif arg in OUTPUT_FLAGS:
             skip_next = True
-        elif not arg.startswith("--json="):
+        elif not arg.startswith(tuple(f"{flag}=" for flag in OUTPUT_FLAGS)):
             kept.append(arg)
     return kept
 

@@ -34,8 +34,8 @@ def run_bench_preemption_modes(args: argparse.Namespace) -> BenchReport:
         "one fresh server per mode, back to back, the same seed (identical arrivals, prompts and lengths). "
         "Goodput: ok requests per second whose own latencies met every latency SLO of the experiment.\n\n"
         + comparison_markdown(runs)
-        + "\n\nVerdicts and reports: "
-        + ", ".join(f"{run.mode} `{run.run.results_dir}`" for run in runs)
     )
+    for run in runs:
+        print(f"{run.mode}: {run.run.results_dir / 'report.html'}")
     failures = [run.mode for run in runs if run.run.verdict.exit_code == 2]
     return BenchReport(markdown, failures=failures)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstorm.bench.doc import DEFAULT_PATH, update_section
+from kvstorm.cli import reproducible_args
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,3 +24,8 @@ def test_a_section_is_replaced_in_place_and_a_new_one_appended(tmp_path):
     assert text.index("first, again") < text.index("second")
     assert "first\n" not in text
     assert text.count("<!-- bench:a -->") == 1
+
+
+def test_the_recorded_command_leaves_out_where_the_run_wrote_its_results():
+    argv = ["bench", "preemption-modes", "--results-dir", "/x/y", "--modes", "swap", "--json=/a.json", "--json", "b"]
+    assert reproducible_args(argv) == ["bench", "preemption-modes", "--modes", "swap"]
