@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from chaos import load as loads
 from chaos.disconnects import disconnect_storm as run_storm
-from chaos.engine_admin import EngineAdmin
+from chaos.engine_admin import EngineAdmin, LeaseKeeper
 from chaos.proxy import FaultProxy
 from chaos.state import current
 
@@ -65,11 +65,15 @@ def run_load(
     return loads.summary_of(load.result)
 
 
-def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 900.0) -> dict[str, Any]:
-    """Change engine faults; every fault set here clears itself ``lease_s`` after the last change (a safety net:
-    the rollbacks clear them first). ``freeze`` gets its window from its own duration."""
-    values = EngineAdmin(target_url).set_faults(faults, lease_s=lease_s)
+def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 30.0) -> dict[str, Any]:
+    """Change engine faults under a lease this process renews while it runs (``chaos.engine_admin.LeaseKeeper``):
+    the rollbacks clear the faults, and if this process dies the engine clears them ``lease_s`` later. ``freeze``
+    gets its window from its own duration."""
+    admin = EngineAdmin(target_url)
+    values = admin.set_faults(faults, lease_s=lease_s)
     state, now = current(), time.time()
+    if target_url not in state.lease_keepers:
+        state.lease_keepers[target_url] = LeaseKeeper(admin, lease_s)
     for name, value in faults.items():
         window = f"engine:{name}"
         if name == "freeze" and value not in _OFF:
@@ -83,8 +87,12 @@ def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 
 
 
 def clear_engine_faults(target_url: str) -> dict[str, Any]:
+    state = current()
+    keeper = state.lease_keepers.pop(target_url, None)
+    if keeper is not None:
+        keeper.stop()
     values = EngineAdmin(target_url).clear_faults()
-    state, now = current(), time.time()
+    now = time.time()
     for window in list(state.open_faults):
         if window.startswith("engine:"):
             state.fault_off(window, now)

@@ -6,12 +6,15 @@ never logged.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from typing import Any
 
 import requests
 
 ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
+logger = logging.getLogger(__name__)
 
 
 class AdminError(RuntimeError):
@@ -52,3 +55,26 @@ class EngineAdmin:
                 message = response.text[:200]
             raise AdminError(f"{method} {path}: HTTP {response.status_code}: {message}")
         return response.json()
+
+
+class LeaseKeeper:
+    """Renews the lease on a server's faults while this process holds them: if the process dies, the renewals stop
+    and the server clears every fault when the lease runs out (kvstorm's /admin/faults lease)."""
+
+    def __init__(self, admin: EngineAdmin, lease_s: float) -> None:
+        self.admin = admin
+        self.lease_s = lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_until_stopped, name="fault-lease", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(self.lease_s)
+
+    def _renew_until_stopped(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self.admin.set_faults({}, lease_s=self.lease_s)
+            except Exception as error:  # the server restarting: the next renewal tries again
+                logger.warning("renewing the fault lease failed: %s", error)

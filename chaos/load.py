@@ -48,6 +48,10 @@ def run_load(name: str, config: RunConfig, metrics_url: str | None = None) -> Lo
 
 
 def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
+    state = current()
+    load.counters.on_record = lambda record: state.emit(
+        "request", load=load.name, outcome=record.outcome.value, ttft_s=record.ttft_s, itl_s=record.itl_s
+    )
     try:
         load.metrics_before = scrape(metrics_url)
         with MetricsMonitor(metrics_url) as monitor:

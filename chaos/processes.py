@@ -34,6 +34,8 @@ class ManagedServer:
 
     def start(self, timeout_s: float = 300.0) -> float:
         """Start it and wait until it is ready; returns the seconds that took."""
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         started = time.monotonic()
         # Its own process group: a kill reaches whatever it started too.

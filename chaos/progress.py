@@ -2,7 +2,8 @@
 
 Chaos Toolkit reports phases through a run event handler and activities through controls; this module is both (it
 is registered as a global control by the runner), and a thread redraws the line twice a second with the server's
-queues and KV usage scraped from ``/metrics``.
+queues and KV usage scraped from ``/metrics``. Phases, activities and the loads' figures (every second) also go
+to the run's event listeners (``RunState.emit``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from chaos.metrics import KVOccupancy, scrape
 from chaos.state import current
 
 _active: LiveLine | None = None
+LOAD_FIGURES = ("total", "num_sent", "num_finished", "num_failed", "num_tokens")
 
 
 class LiveLine(RunEventHandler):
@@ -54,19 +56,23 @@ class LiveLine(RunEventHandler):
     # ---- Chaos Toolkit events ------------------------------------------------------------------
 
     def start_hypothesis_before(self, experiment: Any) -> None:
-        self.phase = "steady state before"
+        self._enter("steady state before")
 
     def start_method(self, experiment: Any) -> None:
-        self.phase = "method"
+        self._enter("method")
 
     def start_hypothesis_after(self, experiment: Any) -> None:
-        self.phase = "steady state after"
+        self._enter("steady state after")
 
     def start_rollbacks(self, experiment: Any) -> None:
-        self.phase = "rollbacks"
+        self._enter("rollbacks")
 
     def finish(self, journal: Any) -> None:
-        self.phase = f"finished ({journal.get('status')})"
+        self._enter(f"finished ({journal.get('status')})")
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        current().emit("phase", phase=phase)
 
     # ---- the line ------------------------------------------------------------------------------
 
@@ -93,6 +99,9 @@ class LiveLine(RunEventHandler):
             if time.monotonic() - self._last_scrape >= 1.0:
                 self._last_scrape = time.monotonic()
                 self._server = self._describe_server()
+                for load in current().loads.values():
+                    c = load.counters
+                    current().emit("load", load=load.name, **{k: getattr(c, k) for k in LOAD_FIGURES})
             self._live.update(self.render(), refresh=True)
 
     def _describe_server(self) -> str:
@@ -112,11 +121,13 @@ class LiveLine(RunEventHandler):
 
 
 def before_activity_control(context: dict[str, Any], **_: Any) -> None:
+    current().emit("activity", name=context.get("name"), activity_type=context.get("type"), started=True)
     if _active is not None:
         _active.activities.append(_describe(context))
 
 
 def after_activity_control(context: dict[str, Any], **_: Any) -> None:
+    current().emit("activity", name=context.get("name"), activity_type=context.get("type"), started=False)
     if _active is not None:
         name = _describe(context)
         if name in _active.activities:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,12 +70,19 @@ def resolve_experiment(name_or_path: str) -> Path:
 
 
 def run_experiment_file(
-    path: Path, variables: Mapping[str, Any], results_root: Path, console: Console | None = None
+    path: Path,
+    variables: Mapping[str, Any],
+    results_root: Path,
+    console: Console | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> ExperimentRun:
-    """Run one experiment with its configuration overridden by ``variables`` (``target_url``, ``model``, ...)."""
+    """Run one experiment with its configuration overridden by ``variables`` (``target_url``, ``model``, ...).
+    ``on_event`` hears the run as it happens (``RunState.emit``), its verdict last."""
     console = console or Console(stderr=True)
     experiment = load_experiment(str(path))
     state = reset()
+    if on_event is not None:
+        state.listeners.append(on_event)
     results_dir = results_root / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     results_dir.mkdir(parents=True, exist_ok=True)
     configuration = load_configuration(experiment.get("configuration", {}), dict(variables))
@@ -90,6 +97,8 @@ def run_experiment_file(
         logging.getLogger("chaostoolkit").removeHandler(log_handler)
         for proxy in state.proxies.values():
             proxy.stop()
+        for keeper in state.lease_keepers.values():
+            keeper.stop()
     verdict = build_verdict(journal, state, configuration)
     (results_dir / "journal.json").write_text(json.dumps(journal, indent=1, default=str))
     (results_dir / "verdict.md").write_text(to_markdown(verdict) + "\n")
@@ -105,6 +114,14 @@ def run_experiment_file(
             heading_html=to_html(verdict),
         )
     print_verdict(verdict, console)
+    state.emit(
+        "verdict",
+        status=verdict.status,
+        reason=verdict.reason,
+        exit_code=verdict.exit_code,
+        results_dir=str(results_dir),
+        fault_windows=[window.model_dump() for window in verdict.fault_windows],
+    )
     return ExperimentRun(verdict, journal, results_dir, None if main is None else main.result)
 
 

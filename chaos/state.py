@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from chaos.disconnects import StormReport
+from chaos.engine_admin import LeaseKeeper
 from chaos.metrics import KVOccupancy, MetricsSample
 from chaos.processes import ManagedServer
 from chaos.proxy import FaultProxy
@@ -48,8 +51,18 @@ class RunState:
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
     storms: list[StormReport] = field(default_factory=list)
     managed_server: ManagedServer | None = None
+    # Per server with engine faults set: the thread that renews their lease.
+    lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Who hears the run's events as they happen (``emit``): phases, activities, faults on and off, load figures,
+    # each request's end (``kvstorm chaos run --events``, which the chaos controller reads).
+    listeners: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        event = {"ts": time.time(), "type": kind, **fields}
+        for listener in self.listeners:
+            listener(event)
 
     def main_load(self) -> LoadRun | None:
         """The load named "main", else the first one the experiment ran."""
@@ -57,13 +70,19 @@ class RunState:
 
     def fault_on(self, name: str, now: float | None = None) -> None:
         with self.lock:
-            self.open_faults.setdefault(name, now or time.time())
+            if name in self.open_faults:
+                return
+            self.open_faults[name] = now or time.time()
+        self.emit("fault", name=name, active=True, at=self.open_faults[name])
 
     def fault_off(self, name: str, now: float | None = None) -> None:
         with self.lock:
             start = self.open_faults.pop(name, None)
-            if start is not None:
-                self.fault_windows.append(FaultWindow(name=name, start_unix=start, end_unix=now or time.time()))
+            if start is None:
+                return
+            window = FaultWindow(name=name, start_unix=start, end_unix=now or time.time())
+            self.fault_windows.append(window)
+        self.emit("fault", name=name, active=False, at=window.end_unix)
 
     def all_faults_off(self, now: float | None = None) -> None:
         for name in list(self.open_faults):

@@ -79,8 +79,7 @@ class StreamingClient:
             stall_timeout_s=self.stall_timeout_s,
         )
         record = await self._stream(planned.path, body, request_id, tracker)
-        self.counters.num_finished += 1
-        self.counters.num_failed += record.outcome is not Outcome.OK
+        self.counters.finished(record)
         return record
 
     async def _stream(self, path: str, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from loadgen.records import Outcome, RequestRecord
 
 
 @dataclass
@@ -12,6 +15,15 @@ class RunCounters:
     num_finished: int = 0
     num_failed: int = 0
     num_tokens: int = 0
+    # Called with each request's record as it ends (on the run's event loop: it must not block), for a live
+    # consumer such as the chaos controller's client-side metrics.
+    on_record: Callable[[RequestRecord], None] | None = None
+
+    def finished(self, record: RequestRecord) -> None:
+        self.num_finished += 1
+        self.num_failed += record.outcome is not Outcome.OK
+        if self.on_record is not None:
+            self.on_record(record)
 
     @property
     def num_in_flight(self) -> int:
