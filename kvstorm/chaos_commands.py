@@ -4,18 +4,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import sys
 from pathlib import Path
 
+import uvicorn
 import yaml
 from rich.console import Console
 
+from chaos.controller.app import ControllerConfig, create_app
 from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.processes import ManagedServer, free_port
 from chaos.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
 
+CONTROLLER_TOKEN_ENV = "KVSTORM_CHAOS_TOKEN"
 DEMO_EXPERIMENT = "burst-with-vram-cap"
 # A KV pool a burst on this model fills: 64 MiB holds 88 blocks of 16 tokens in float32 (about 1,400 tokens, eight
 # requests of the experiment's shapes), and the experiment's 30% cap leaves 26 blocks.
@@ -37,9 +41,36 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model", default=None, help="the model name the server expects")
     run.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="any configuration value")
     run.add_argument("--results-dir", type=Path, default=Path("chaos-results"), help="where each run's folder goes")
+    run.add_argument(
+        "--events",
+        action="store_true",
+        help="write the run's events to stdout as JSON lines (phases, activities, faults, load figures, each "
+        "request's end, the verdict); the tables go to stderr either way",
+    )
     run.set_defaults(handler=run_chaos)
     listing = chaos_subparsers.add_parser("list", help="the library of experiments, with what each reproduces")
     listing.set_defaults(handler=list_experiments)
+    serve = chaos_subparsers.add_parser(
+        "serve",
+        help="the chaos controller: an HTTP API (FastAPI) that runs experiments and faults against one target",
+        description="Tokens come from the flags or the environment, never from a URL; neither is logged.",
+    )
+    serve.add_argument("--target", required=True, help="the engine's base URL")
+    serve.add_argument("--model", default="smollm2-135m", help="the model name the engine serves")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8090)
+    serve.add_argument(
+        "--token",
+        default=os.environ.get(CONTROLLER_TOKEN_ENV),
+        help=f"the controller's bearer token (${CONTROLLER_TOKEN_ENV})",
+    )
+    serve.add_argument(
+        "--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV), help=f"the engine's admin token (${ADMIN_TOKEN_ENV})"
+    )
+    serve.add_argument("--results-dir", type=Path, default=Path("chaos-results/controller"))
+    serve.add_argument("--max-run-s", type=float, default=1800.0, help="a run that lasts longer is stopped")
+    serve.add_argument("--lease-s", type=float, default=30.0, help="the engine clears unrenewed faults after this")
+    serve.set_defaults(handler=run_controller)
 
 
 def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,15 +88,35 @@ def run_chaos(args: argparse.Namespace) -> int:
         variables["target_url"] = args.target
     if args.model:
         variables["model"] = args.model
-    run = run_experiment_file(resolve_experiment(args.experiment), variables, args.results_dir)
+    on_event = _print_event if args.events else None
+    run = run_experiment_file(resolve_experiment(args.experiment), variables, args.results_dir, on_event=on_event)
     _print_where(run.results_dir)
     return run.verdict.exit_code
+
+
+def _print_event(event: dict) -> None:
+    sys.stdout.write(json.dumps(event, default=str) + "\n")
+    sys.stdout.flush()
 
 
 def list_experiments(_: argparse.Namespace) -> int:
     for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
         experiment = yaml.safe_load(path.read_text())
         print(f"{path.stem}: {experiment['title']}\n    {' '.join(experiment['description'].split())}\n")
+    return 0
+
+
+def run_controller(args: argparse.Namespace) -> int:
+    config = ControllerConfig(
+        target_url=args.target.rstrip("/"),
+        model=args.model,
+        admin_token=args.admin_token or "",
+        controller_token=args.token or "",
+        results_dir=args.results_dir,
+        max_run_s=args.max_run_s,
+        lease_s=args.lease_s,
+    )
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -94,7 +145,7 @@ def run_demo(args: argparse.Namespace) -> int:
 def _print_where(results_dir: Path) -> None:
     report = results_dir / "report.html"
     where = f"report: {report}" if report.exists() else "no report (the load did not run)"
-    print(f"{where}\nverdict: {results_dir / 'verdict.md'}, journal: {results_dir / 'journal.json'}")
+    print(f"{where}\nverdict: {results_dir / 'verdict.md'}, journal: {results_dir / 'journal.json'}", file=sys.stderr)
 
 
 def _parse_var(item: str) -> tuple[str, object]:

@@ -1,0 +1,191 @@
+"""The controller's HTTP API (FastAPI): experiments, runs and their live events, ad-hoc faults, metrics.
+
+Everything but ``/health``, ``/metrics``, ``/docs`` and ``/openapi.json`` needs ``Authorization: Bearer <controller
+token>``. The engine's admin token stays in the controller: a caller of ``PUT /faults`` never sees or sends it.
+Ad-hoc faults carry the engine's lease, renewed while the controller runs (``LeaseKeeper``): a controller that dies
+leaves no fault behind for longer than ``lease_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request, status
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field
+
+from chaos.controller.metrics import ControllerMetrics
+from chaos.controller.runs import RunConflict, RunManager
+from chaos.engine_admin import AdminError, EngineAdmin, LeaseKeeper
+
+EVENT_POLL_S = 0.2
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    target_url: str
+    model: str
+    admin_token: str
+    controller_token: str
+    results_dir: Path
+    max_run_s: float = 1800.0
+    lease_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.admin_token or not self.controller_token:
+            raise ValueError("the controller needs the engine's admin token and a controller token of its own")
+        if self.max_run_s <= 0 or self.lease_s <= 0:
+            raise ValueError(f"max_run_s and lease_s must be > 0, got {self.max_run_s}, {self.lease_s}")
+
+
+class StartRun(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    experiment: str = Field(description="a name from GET /experiments")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="values of the experiment's parameters")
+
+
+def create_app(config: ControllerConfig) -> FastAPI:
+    metrics = ControllerMetrics(config.target_url)
+    runs = RunManager(
+        config.target_url, config.model, config.admin_token, config.results_dir, metrics, config.max_run_s
+    )
+    admin = EngineAdmin(config.target_url, config.admin_token)
+    ad_hoc: dict[str, LeaseKeeper] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # SIGTERM (uvicorn's shutdown): the run stops with its rollbacks, and every fault this controller set goes.
+        await asyncio.to_thread(runs.shutdown)
+        if "faults" in ad_hoc:
+            ad_hoc.pop("faults").stop()
+        await asyncio.to_thread(runs.clear_engine_faults)
+
+    app = FastAPI(
+        title="kvstorm chaos controller",
+        description=__doc__,
+        lifespan=lifespan,
+    )
+
+    def authorized(credentials: Credentials) -> None:
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), config.controller_token.encode()):
+            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "needs 'Authorization: Bearer <controller token>'")
+
+    guarded = [Depends(authorized)]
+
+    @app.exception_handler(AdminError)
+    async def engine_refused(_: Request, error: AdminError) -> JSONResponse:
+        code = 400 if "HTTP 400" in str(error) else 502
+        return JSONResponse({"detail": f"the engine refused: {error}"}, status_code=code)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        active = [run.id for run in runs.runs.values() if run.is_active]
+        return {"status": "ok", "target": config.target_url, "active_run": active[0] if active else None}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/experiments", dependencies=guarded)
+    async def experiments() -> list[dict[str, Any]]:
+        return [
+            {"name": e.name, "title": e.title, "description": e.description, "parameters": e.parameters}
+            for e in runs.library.values()
+        ]
+
+    @app.post("/runs", dependencies=guarded, status_code=status.HTTP_201_CREATED)
+    async def start_run(body: StartRun) -> dict[str, Any]:
+        if body.experiment not in runs.library:
+            raise HTTPException(404, f"no experiment {body.experiment!r}; GET /experiments lists them")
+        try:
+            run = await asyncio.to_thread(runs.start, body.experiment, body.overrides)
+        except ValueError as error:
+            raise HTTPException(400, str(error)) from None
+        except RunConflict as error:
+            raise HTTPException(409, str(error)) from None
+        return run.summary()
+
+    @app.get("/runs", dependencies=guarded)
+    async def list_runs() -> list[dict[str, Any]]:
+        return [run.summary() for run in runs.runs.values()]
+
+    def find(run_id: str):
+        run = runs.runs.get(run_id)
+        if run is None:
+            raise HTTPException(404, f"no run {run_id!r}")
+        return run
+
+    @app.get("/runs/{run_id}", dependencies=guarded)
+    async def get_run(run_id: str) -> dict[str, Any]:
+        return find(run_id).summary()
+
+    @app.delete("/runs/{run_id}", dependencies=guarded)
+    async def stop_run(run_id: str) -> dict[str, Any]:
+        run = find(run_id)
+        await asyncio.to_thread(runs.stop, run)
+        return run.summary()
+
+    @app.get("/runs/{run_id}/events", dependencies=guarded)
+    async def run_events(run_id: str) -> StreamingResponse:
+        """Server-Sent Events: every event of the run so far, then the new ones, until its end."""
+        run = find(run_id)
+
+        async def stream() -> AsyncIterator[bytes]:
+            sent = 0
+            while True:
+                events = run.events[sent:]
+                for event in events:
+                    yield f"event: {event['type']}\ndata: {json.dumps(event, default=str)}\n\n".encode()
+                sent += len(events)
+                if events and events[-1]["type"] == "end":
+                    return
+                await asyncio.sleep(EVENT_POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/runs/{run_id}/report", dependencies=guarded)
+    async def run_report(run_id: str) -> FileResponse:
+        run = find(run_id)
+        reports = sorted(run.results_dir.glob("*/report.html"))
+        if not reports:
+            raise HTTPException(404, f"run {run_id} has no report (yet): status {run.status}")
+        return FileResponse(reports[-1], media_type="text/html")
+
+    @app.get("/faults", dependencies=guarded)
+    async def get_faults() -> dict[str, Any]:
+        return await asyncio.to_thread(admin.faults)
+
+    @app.put("/faults", dependencies=guarded)
+    async def put_faults(faults: dict[str, Any]) -> dict[str, Any]:
+        """Change faults on the target engine (a JSON object of them, as its /admin/faults takes), under a lease
+        this controller renews until the faults are cleared."""
+        if "lease_s" in faults:
+            raise HTTPException(400, f"the controller keeps the lease itself ({config.lease_s:g} s, renewed)")
+        values = await asyncio.to_thread(admin.set_faults, faults, config.lease_s)
+        if "faults" not in ad_hoc:
+            ad_hoc["faults"] = LeaseKeeper(admin, config.lease_s)
+        for name, value in faults.items():
+            metrics.set_fault(f"engine:{name}", value not in (None, 0, 0.0, False))
+        return values
+
+    @app.delete("/faults", dependencies=guarded)
+    async def clear_faults() -> dict[str, Any]:
+        if "faults" in ad_hoc:
+            await asyncio.to_thread(ad_hoc.pop("faults").stop)
+        values = await asyncio.to_thread(admin.clear_faults)
+        metrics.clear_faults()
+        return values
+
+    return app

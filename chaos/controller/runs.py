@@ -1,0 +1,221 @@
+"""Experiment runs of the controller: each a ``kvstorm chaos run --events`` child process, one at a time.
+
+A child of its own, not a thread: Chaos Toolkit runs an experiment in the process's main flow and stops it cleanly
+on a signal (its rollbacks, then the lease keepers stop), so stopping a run is a SIGTERM, and a run that outlives
+``max_run_s`` gets one too. On Linux the child also gets a SIGTERM if the controller itself dies, and the engine's
+fault lease covers the rest: no fault outlives the harness by more than a lease.
+
+The child's stdout carries its events (JSON lines); a reader thread keeps them, feeds the metrics, and records the
+verdict from the last one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from chaos.controller.metrics import ControllerMetrics
+from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
+from chaos.runner import EXPERIMENTS_DIR
+
+# Set by the controller, not by the caller: the run is against the controller's own target.
+RESERVED_PARAMETERS = ("target_url", "model")
+STOP_GRACE_S = 60.0
+
+
+class RunConflict(Exception):
+    """Another run is active."""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    path: Path
+    title: str
+    description: str
+    # The configuration's values an override may change, with the defaults the file gives.
+    parameters: dict[str, Any]
+
+
+@dataclass
+class Run:
+    id: str
+    experiment: str
+    overrides: dict[str, Any]
+    results_dir: Path
+    started_unix: float = field(default_factory=time.time)
+    # running, then the verdict's status (held, deviated, failed_before, aborted, interrupted), or stopped / error.
+    status: str = "running"
+    phase: str | None = None
+    verdict: dict[str, Any] | None = None
+    ended_unix: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+    stop_requested: str | None = None
+
+    @property
+    def is_active(self) -> bool:
+        return self.ended_unix is None
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "experiment": self.experiment,
+            "overrides": self.overrides,
+            "status": self.status,
+            "phase": self.phase,
+            "started_unix": self.started_unix,
+            "ended_unix": self.ended_unix,
+            "verdict": self.verdict,
+            "num_events": len(self.events),
+        }
+
+
+def load_library() -> dict[str, Experiment]:
+    library = {}
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        parameters = {
+            key: value.get("default") if isinstance(value, dict) else value
+            for key, value in data.get("configuration", {}).items()
+            if key not in RESERVED_PARAMETERS
+        }
+        description = " ".join(data["description"].split())
+        library[path.stem] = Experiment(path.stem, path, data["title"], description, parameters)
+    return library
+
+
+class RunManager:
+    def __init__(
+        self,
+        target_url: str,
+        model: str,
+        admin_token: str,
+        results_dir: Path,
+        metrics: ControllerMetrics,
+        max_run_s: float,
+    ) -> None:
+        self.target_url = target_url
+        self.model = model
+        self.admin_token = admin_token
+        self.results_dir = results_dir
+        self.metrics = metrics
+        self.max_run_s = max_run_s
+        self.library = load_library()
+        self.runs: dict[str, Run] = {}
+        self._lock = threading.Lock()
+
+    # ---- commands ------------------------------------------------------------------------------
+
+    def start(self, name: str, overrides: Mapping[str, Any]) -> Run:
+        """``KeyError`` for an unknown experiment, ``ValueError`` for an unknown or reserved parameter,
+        ``RunConflict`` while another run is active; nothing starts in those cases."""
+        experiment = self.library[name]
+        unknown = set(overrides) - set(experiment.parameters)
+        if unknown:
+            raise ValueError(
+                f"unknown parameters {sorted(unknown)} for {name}; parameters: {', '.join(experiment.parameters)}"
+            )
+        with self._lock:
+            if any(run.is_active for run in self.runs.values()):
+                raise RunConflict("another run is active: stop it (DELETE /runs/{id}) or wait for its verdict")
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+            run = Run(run_id, name, dict(overrides), self.results_dir / run_id)
+            self.runs[run_id] = run
+        run.results_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "kvstorm", "chaos", "run", str(experiment.path), "--events",
+            "--target", self.target_url, "--model", self.model, "--results-dir", str(run.results_dir),
+            *(f"--var={key}={json.dumps(value)}" for key, value in overrides.items()),
+        ]  # fmt: skip
+        with open(run.results_dir / "run.log", "wb") as log:
+            run.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env={**os.environ, ADMIN_TOKEN_ENV: self.admin_token},
+                preexec_fn=_terminate_with_parent,
+            )
+        threading.Thread(target=self._follow, args=(run,), name=f"run-{run_id}", daemon=True).start()
+        threading.Thread(target=self._watch_duration, args=(run,), name=f"watch-{run_id}", daemon=True).start()
+        return run
+
+    def stop(self, run: Run, reason: str = "stopped by request") -> None:
+        """SIGTERM (the child runs its rollbacks), then wait; the engine's faults are cleared here too."""
+        if not run.is_active or run.process is None:
+            return
+        run.stop_requested = reason
+        run.process.send_signal(signal.SIGTERM)
+        try:
+            run.process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            run.process.kill()
+            run.process.wait(10)
+        self.clear_engine_faults()
+        self._wait_ended(run, timeout_s=10)
+
+    def shutdown(self) -> None:
+        for run in list(self.runs.values()):
+            self.stop(run, "the controller is shutting down")
+
+    def clear_engine_faults(self) -> None:
+        try:
+            EngineAdmin(self.target_url, self.admin_token).clear_faults()
+        finally:
+            self.metrics.clear_faults()
+
+    # ---- the child -----------------------------------------------------------------------------
+
+    def _follow(self, run: Run) -> None:
+        for line in run.process.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event["type"] == "phase":
+                run.phase = event["phase"]
+            elif event["type"] == "verdict":
+                run.verdict = {key: value for key, value in event.items() if key not in ("type", "ts")}
+            self.metrics.observe(run.id, run.experiment, event)
+            run.events.append(event)
+        run.process.wait()
+        if run.verdict is not None:
+            run.status = "stopped" if run.stop_requested else run.verdict["status"]
+        else:
+            run.status = "stopped" if run.stop_requested else "error"
+            self.metrics.finish(run.id, run.experiment, run.status)
+        end = {"ts": time.time(), "type": "end", "status": run.status, "reason": run.stop_requested}
+        run.events.append(end)
+        run.ended_unix = end["ts"]
+
+    def _watch_duration(self, run: Run) -> None:
+        deadline = run.started_unix + self.max_run_s
+        while run.is_active and time.time() < deadline:
+            time.sleep(0.5)
+        if run.is_active:
+            self.stop(run, f"longer than the maximum run duration ({self.max_run_s:g} s)")
+
+    @staticmethod
+    def _wait_ended(run: Run, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while run.is_active and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before exec: a SIGTERM when the controller dies, however it dies (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
