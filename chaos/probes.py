@@ -8,7 +8,8 @@ The steady-state hypothesis runs before the method and again after it, with the 
   meets them when nothing is wrong;
 - ``settled`` records what the server holds (queues, KV) before the method, and after it waits for the server to
   return there;
-- ``leaked_kv_blocks`` then counts KV blocks still held beyond that.
+- ``leaked_kv_blocks`` then counts KV blocks still held beyond that;
+- ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.slo_check``).
 
 Every probe reads only HTTP (``/metrics``, ``/health``), so the hypothesis holds as well against vLLM. Thresholds
 live in each probe's tolerance in the experiment file (a range ``[0, X]`` for a latency in seconds).
@@ -23,6 +24,7 @@ import requests
 
 from chaos.load import load_for_probe
 from chaos.metrics import EngineActivity, KVOccupancy, scrape, wait_until_settled
+from chaos.slo_check import SloResult, evaluate, run_spec
 from chaos.state import current
 from loadgen.analysis import METRICS, STATS
 from loadgen.records import Outcome
@@ -86,6 +88,20 @@ def storms_with_leaks() -> int:
     return sum(storm.leaked or storm.num_aborts_missing > 0 for storm in current().storms)
 
 
+def slo_met(slo: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> bool:
+    """Whether the load met one SLO of the run's spec (the dashboards' ``dashboards.slo``, by name: ttft, itl, e2e,
+    errors, admitted, preemptions, swap_out, kv_usage), judged from the server's /metrics as the SLO dashboard
+    judges it; true when the load caused no event it counts."""
+    return _slo_result(slo, load, configuration).met is not False
+
+
+def slo_burn_rate(slo: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> float:
+    """How many times faster than its objective allows the load spent an events SLO's error budget (0: not at all;
+    the burn-rate alerts page at 14.4 and 6)."""
+    burn_rate = _slo_result(slo, load, configuration).burn_rate
+    return 0.0 if burn_rate is None else round(burn_rate, 2)
+
+
 def preemptions(load: str = "main", mode: str | None = None) -> int:
     """Preemptions while the load ran (``mode``: swap or recompute, kvstorm only; all of them otherwise)."""
     activity = _activity(load)
@@ -103,6 +119,13 @@ def promql(prometheus_url: str, query: str) -> float:
     response.raise_for_status()
     result = response.json()["data"]["result"]
     return float(result[0]["value"][1]) if result else NO_VALUE
+
+
+def _slo_result(name: str, load: str, configuration: Mapping[str, Any] | None) -> SloResult:
+    slos = {slo.name: slo for slo in run_spec()}
+    if name not in slos:
+        raise ValueError(f"unknown SLO {name!r}; the spec has {', '.join(slos)}")
+    return evaluate(slos[name], load_for_probe(load, configuration))
 
 
 def _activity(load: str) -> EngineActivity:

@@ -5,6 +5,7 @@ stock ``chaos run``), with a live progress line, a verdict table, and a results 
         journal.json     Chaos Toolkit's journal (what ``chaos run --journal-path`` writes)
         verdict.md       the verdict tables
         report.html      the load's report with every fault window as a band, the verdict on top
+        dashboards.html  with --prometheus-url: the SLO and engine dashboards over the run (kvstorm dashboards render)
         load.json        the load generator's results (every request record)
         chaostoolkit.log
 
@@ -14,6 +15,7 @@ carry a lease besides, so an engine clears them even if this process dies.
 
 from __future__ import annotations
 
+import html
 import json
 import logging
 import time
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
 from chaoslib.configuration import load_configuration
 from chaoslib.control import load_global_controls
 from chaoslib.experiment import run_experiment
@@ -29,13 +32,18 @@ from chaoslib.loader import load_experiment
 from rich.console import Console
 
 from chaos.progress import LiveLine
-from chaos.state import reset
+from chaos.slo_check import run_spec
+from chaos.state import RunState, reset
 from chaos.verdict import Verdict, build_verdict
 from chaos.verdict_view import print_verdict, to_html, to_markdown
+from dashboards.build import boards
+from dashboards.render import render
+from dashboards.slo import load_spec
 from loadgen.report import write_report
 from loadgen.results import RunResult
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
+REPORT_BOARDS = ("kvstorm-slo", "kvstorm-engine")
 # An experiment's load sends a request or two a second: percentiles per 5 s say more than per 1 s.
 REPORT_BUCKET_S = 5.0
 SETTINGS = {
@@ -75,12 +83,21 @@ def run_experiment_file(
     results_root: Path,
     console: Console | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    slo_profile: str | None = None,
+    slo_file: Path | None = None,
+    prometheus_url: str | None = None,
 ) -> ExperimentRun:
     """Run one experiment with its configuration overridden by ``variables`` (``target_url``, ``model``, ...).
-    ``on_event`` hears the run as it happens (``RunState.emit``), its verdict last."""
+    ``on_event`` hears the run as it happens (``RunState.emit``), its verdict last. ``slo_profile`` and
+    ``slo_file``: the SLO spec it is judged by (default: the environment's, else the cpu profile).
+    ``prometheus_url``: a Prometheus that scrapes the target; the SLO and engine dashboards over the run are drawn
+    from it next to the report."""
     console = console or Console(stderr=True)
     experiment = load_experiment(str(path))
     state = reset()
+    state.slo_profile = slo_profile or state.slo_profile
+    state.slo_file = slo_file or state.slo_file
+    run_spec()  # a bad profile or overrides file fails here, before anything runs
     if on_event is not None:
         state.listeners.append(on_event)
     results_dir = results_root / f"{path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -106,12 +123,13 @@ def run_experiment_file(
     if main is not None and main.result is not None:
         main.result.fault_windows = list(state.fault_windows)
         main.result.write(results_dir / "load.json")
+        dashboards = "" if prometheus_url is None else _render_dashboards(prometheus_url, state, results_dir, console)
         write_report(
             main.result,
             results_dir / "report.html",
             bucket_s=REPORT_BUCKET_S,
             title=f"kvstorm chaos run: {verdict.title}",
-            heading_html=to_html(verdict),
+            heading_html=to_html(verdict) + dashboards,
         )
     print_verdict(verdict, console)
     state.emit(
@@ -123,6 +141,23 @@ def run_experiment_file(
         fault_windows=[window.model_dump() for window in verdict.fault_windows],
     )
     return ExperimentRun(verdict, journal, results_dir, None if main is None else main.result)
+
+
+def _render_dashboards(prometheus_url: str, state: RunState, results_dir: Path, console: Console) -> str:
+    """Draw the SLO and engine dashboards from a minute before the run to now into ``dashboards.html``; the
+    report's link to it, or why there is none (a Prometheus that cannot answer costs the run nothing else)."""
+    shown = [board for board in boards(load_spec(state.slo_profile, state.slo_file)) if board.uid in REPORT_BOARDS]
+    try:
+        page = render(shown, prometheus_url, state.started_unix - 60, time.time())
+    except (requests.RequestException, ValueError) as error:
+        why = f"no dashboards: Prometheus at {prometheus_url} did not answer ({error})"
+        console.print(why, style="yellow", markup=False)
+        return f"<p>{html.escape(why)}</p>"
+    (results_dir / "dashboards.html").write_text(page)
+    return (
+        "<p><a href='dashboards.html'>The SLO and engine dashboards over this run</a> "
+        f"(from Prometheus at {html.escape(prometheus_url)}; the panels of Grafana's kvstorm dashboards).</p>"
+    )
 
 
 def _log_to(path: Path) -> logging.Handler:

@@ -7,10 +7,12 @@ run`` calls ``reset`` before each.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from chaos.disconnects import StormReport
@@ -20,6 +22,10 @@ from chaos.processes import ManagedServer
 from chaos.proxy import FaultProxy
 from loadgen.counters import RunCounters
 from loadgen.results import FaultWindow, RunResult
+
+# The SLO spec a run is judged by (chaos.slo_check): a profile of dashboards.slo and a file of overrides.
+SLO_PROFILE_ENV = "KVSTORM_SLO_PROFILE"
+SLO_FILE_ENV = "KVSTORM_SLO_FILE"
 
 
 @dataclass
@@ -54,6 +60,10 @@ class RunState:
     # Per server with engine faults set: the thread that renews their lease.
     lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
+    slo_profile: str = field(default_factory=lambda: os.environ.get(SLO_PROFILE_ENV, "cpu"))
+    slo_file: Path | None = field(
+        default_factory=lambda: Path(os.environ[SLO_FILE_ENV]) if os.environ.get(SLO_FILE_ENV) else None
+    )
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Who hears the run's events as they happen (``emit``): phases, activities, faults on and off, load figures,
     # each request's end (``kvstorm chaos run --events``, which the chaos controller reads).

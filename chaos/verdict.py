@@ -16,6 +16,7 @@ from chaoslib.activity import run_activity
 from chaoslib.hypothesis import within_tolerance
 
 from chaos.metrics import EngineActivity, time_to_recover
+from chaos.slo_check import SloResult, evaluate_all, run_spec
 from chaos.state import RunState
 from loadgen.analysis import Summary
 from loadgen.results import FaultWindow
@@ -46,6 +47,9 @@ class Verdict:
     fault_windows: list[FaultWindow] = field(default_factory=list)
     restarts_s: list[float] = field(default_factory=list)
     storms: list[dict[str, Any]] = field(default_factory=list)
+    # The dashboards' SLO spec over the main load (chaos.slo_check), and its profile.
+    slos: list[SloResult] = field(default_factory=list)
+    slo_profile: str = ""
 
     @property
     def held(self) -> bool:
@@ -82,9 +86,10 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
             )
         )
     main = state.main_load()
-    activity = None
+    activity, slos = None, []
     if main is not None and main.metrics_before is not None and main.metrics_after is not None:
         activity = EngineActivity.between(main.metrics_before, main.metrics_after)
+        slos = evaluate_all(run_spec(), main)
     return Verdict(
         title=experiment.get("title", ""),
         status=status,
@@ -96,6 +101,8 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         fault_windows=list(state.fault_windows),
         restarts_s=list(state.restarts),
         storms=[storm.to_json() for storm in state.storms],
+        slos=slos,
+        slo_profile=state.slo_profile,
     )
 
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from chaos.verdict import Verdict
+from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
 
 STATUS_WORDS = {
@@ -37,6 +38,8 @@ def sections(verdict: Verdict) -> list[Section]:
         result.append(_load(verdict))
     if verdict.activity is not None:
         result.append(_activity(verdict))
+    if verdict.slos:
+        result.append(_slos(verdict))
     if verdict.storms:
         keys = tuple(verdict.storms[0])
         rows = [tuple(_cell(storm[key]) for key in keys) for storm in verdict.storms]
@@ -132,6 +135,43 @@ def _activity(verdict: Verdict) -> Section:
         ("refused before start", ", ".join(f"{k} {v}" for k, v in a.rejected_by_reason.items() if v) or "0"),
     ]
     return Section("The server during the load (from /metrics)", ("", "value"), rows, [None] * len(rows))
+
+
+def _slos(verdict: Verdict) -> Section:
+    rows, marks = [], []
+    for result in verdict.slos:
+        slo = result.slo
+        if not result.exposed:
+            measured, outcome = "-", "not exposed by the server"
+        elif result.value is None:
+            measured, outcome = "-", "no events"
+        else:
+            outcome = "met" if result.met else "MISSED"
+            if slo.kind == "events":
+                measured = f"{result.value:.2%} ({result.good:.0f} of {result.total:.0f})"
+            elif result.seconds_over is not None:
+                measured = f"peak {result.value:.0%}, above {slo.threshold:.0%} for {result.seconds_over:.0f} s"
+            else:
+                measured = f"{result.value:.2f} /s"
+        burn = "-" if result.burn_rate is None else f"{result.burn_rate:.1f}x"
+        rows.append((slo.title, _objective(slo), measured, burn, outcome))
+        marks.append(result.met)
+    return Section(
+        f"SLOs over the load (profile {verdict.slo_profile}, from /metrics: what the SLO dashboard shows for these "
+        "minutes; the steady state decides the verdict)",
+        ("SLO", "objective", "during the load", "burn rate", "result"),
+        rows,
+        marks,
+    )
+
+
+def _objective(slo: Slo) -> str:
+    if slo.kind == "events":
+        within = f" within {slo.threshold:g} s" if slo.histogram else ""
+        return f">= {slo.objective:.2%}{within}"
+    if slo.rate_of is not None:
+        return f"<= {slo.threshold:g} /s"
+    return f"<= {slo.threshold:.0%} (for under {GUARDRAIL_FOR_S} s)"
 
 
 def _timeline(verdict: Verdict) -> Section:

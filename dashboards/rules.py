@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from dashboards.slo import MODEL, RATE_WINDOWS, Slo
+from dashboards.slo import GUARDRAIL_FOR_S, MODEL, RATE_WINDOWS, Slo
 
 RULES_FILE = "kvstorm-rules.yml"
 # (severity, long window, short window, burn rate)
@@ -76,10 +76,10 @@ def _guardrail_alert(slo: Slo) -> dict[str, Any]:
     return {
         "alert": GUARDRAIL_ALERTS.get(slo.name, f"Guardrail_{slo.name}"),
         "expr": f"{guardrail_record(slo)} > {slo.threshold:g}",
-        "for": "2m",
+        "for": f"{GUARDRAIL_FOR_S}s",
         "labels": {"severity": "ticket", "slo": slo.name},
         "annotations": {
-            "summary": f"{slo.title} above {slo.threshold:g} for 2 minutes",
+            "summary": f"{slo.title} above {slo.threshold:g} for {GUARDRAIL_FOR_S / 60:g} minutes",
             "description": slo.description,
         },
     }

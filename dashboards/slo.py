@@ -28,8 +28,59 @@ import yaml
 # on 3d/6h at 1x) and the error-budget window.
 RATE_WINDOWS = ("5m", "30m", "1h", "6h", "3d")
 BUDGET_WINDOW = "30d"
+# One scrape of /metrics: sample name (with _total, _bucket...) -> label set -> value.
+Scrape = Mapping[str, Mapping[frozenset[tuple[str, str]], float]]
 MODEL = "model_name"  # the label every engine series carries; SLIs are per model
-WINDOW = "$window"  # stands for the rate window in an events SLO's good and total expressions
+
+
+@dataclass(frozen=True)
+class Counter:
+    """The series of one counter whose ``label`` has one of ``values`` (all of its series without a label)."""
+
+    metric: str
+    label: str | None = None
+    values: tuple[str, ...] = ()
+
+    def selector(self) -> str:
+        if self.label is None:
+            return self.metric
+        if len(self.values) == 1:
+            return f'{self.metric}{{{self.label}="{self.values[0]}"}}'
+        return f'{self.metric}{{{self.label}=~"{"|".join(self.values)}"}}'
+
+    def rate(self, window: str) -> str:
+        return f"sum by ({MODEL}) (rate({self.selector()}[{window}]))"
+
+    def count(self, scrape: Scrape) -> float:
+        """The sum of the matching series in one scrape."""
+        return sum(
+            value
+            for labels, value in scrape.get(self.metric, {}).items()
+            if self.label is None or dict(labels).get(self.label) in self.values
+        )
+
+
+@dataclass(frozen=True)
+class Events:
+    """A count of events as a signed sum of counters: ``plus`` minus ``minus``."""
+
+    plus: tuple[Counter, ...]
+    minus: tuple[Counter, ...] = ()
+
+    def rate(self, window: str) -> str:
+        """PromQL for the events per second over ``window``. A term that a server does not expose (vLLM has no
+        ``kvstorm:rejected_requests_total``; no request may have failed yet) counts 0 rather than emptying the sum."""
+        first, *others = [counter.rate(window) for counter in self.plus]
+        zero = f"{first} * 0"
+        expr = first + "".join(f" + ({term} or {zero})" for term in others)
+        return expr + "".join(f" - ({counter.rate(window)} or {zero})" for counter in self.minus)
+
+    def counters(self) -> tuple[Counter, ...]:
+        return self.plus + self.minus
+
+    def count(self, scrape: Scrape) -> float:
+        """The events counted in one scrape."""
+        return sum(c.count(scrape) for c in self.plus) - sum(c.count(scrape) for c in self.minus)
 
 
 @dataclass(frozen=True)
@@ -41,10 +92,12 @@ class Slo:
     unit: str  # Grafana unit of the threshold and of the SLI's raw value: s, percentunit, ops...
     description: str
     objective: float | None = None  # events only
-    # events: good and total event rates over a window (WINDOW stands for it); guardrail: the instant value.
-    good: str = ""
-    total: str = ""
-    value: str = ""
+    # events: the good and all events; the SLI is good / total over a window.
+    good: Events | None = None
+    total: Events | None = None
+    # guardrail: a counter's rate over GUARDRAIL_WINDOW, or a gauge's highest value.
+    rate_of: Counter | None = None
+    gauge: str | None = None
     # The histogram a latency SLO reads (threshold must be one of its bucket boundaries), and what it times.
     histogram: str | None = None
     event: str = ""
@@ -54,6 +107,10 @@ class Slo:
             raise ValueError(f"SLO {self.name}: kind must be events or guardrail, got {self.kind!r}")
         if self.kind == "events" and not (self.objective is not None and 0 < self.objective < 1):
             raise ValueError(f"SLO {self.name}: an events SLO needs an objective in (0, 1), got {self.objective!r}")
+        if (self.kind == "events") != (self.good is not None and self.total is not None):
+            raise ValueError(f"SLO {self.name}: good and total events belong to (and only to) an events SLO")
+        if self.kind == "guardrail" and (self.rate_of is None) == (self.gauge is None):
+            raise ValueError(f"SLO {self.name}: a guardrail reads either a counter's rate or a gauge")
 
     @property
     def error_budget(self) -> float:
@@ -61,17 +118,29 @@ class Slo:
 
     def error_ratio(self, window: str) -> str:
         """The fraction of bad events over ``window``: 1 - good/total, 0 while there is no event."""
-        good, total = self.good.replace(WINDOW, window), self.total.replace(WINDOW, window)
+        good, total = self.good.rate(window), self.total.rate(window)
         return f"(1 - ({good}) / ({total})) or ({total}) * 0"
 
     def recorded_error_ratio(self, window: str) -> str:
         """The name of the recording rule that holds ``error_ratio(window)``."""
         return f"{MODEL}:slo_{self.name}_errors:ratio_rate{window}"
 
+    @property
+    def value(self) -> str:
+        """A guardrail's PromQL."""
+        if self.rate_of is not None:
+            return self.rate_of.rate(GUARDRAIL_WINDOW)
+        return f"max by ({MODEL}) ({self.gauge})"
+
+    def metrics(self) -> tuple[str, ...]:
+        """The metric names (as exposed, with suffixes) this SLO reads."""
+        if self.kind == "events":
+            return tuple(dict.fromkeys(c.metric for c in self.good.counters() + self.total.counters()))
+        return (self.rate_of.metric,) if self.rate_of is not None else (self.gauge,)
+
 
 def latency(name: str, title: str, histogram: str, threshold_s: float, objective: float, event: str) -> Slo:
     """An events SLO on a latency histogram: a request is good when its ``event`` took at most ``threshold_s``."""
-    bucket = histogram + '_bucket{le="' + _le(threshold_s) + '"}'
     return Slo(
         name=name,
         title=title,
@@ -80,8 +149,8 @@ def latency(name: str, title: str, histogram: str, threshold_s: float, objective
         objective=objective,
         unit="s",
         description=f"{objective:.2%} of requests with {event} at most {threshold_s:g} s",
-        good=f"sum by ({MODEL}) (rate({bucket}[{WINDOW}]))",
-        total=f"sum by ({MODEL}) (rate({histogram}_count[{WINDOW}]))",
+        good=Events((Counter(f"{histogram}_bucket", "le", (_le(threshold_s),)),)),
+        total=Events((Counter(f"{histogram}_count"),)),
         histogram=histogram,
         event=event,
     )
@@ -92,11 +161,15 @@ def _le(threshold_s: float) -> str:
     return repr(float(threshold_s))
 
 
-FINISHED = f"sum by ({MODEL}) (rate(vllm:request_success_total[{WINDOW}]))"
-ERRORS = f'sum by ({MODEL}) (rate(vllm:request_success_total{{finished_reason="error"}}[{WINDOW}]))'
+FINISHED = Counter("vllm:request_success_total")
+ERRORS = Counter("vllm:request_success_total", "finished_reason", ("error",))
 # Refusals for load (admission control, an engine down or stalled), not for bad input.
-OVERLOAD = 'reason=~"max_waiting|max_queue_delay|engine_unavailable"'
-REJECTED = f"sum by ({MODEL}) (rate(kvstorm:rejected_requests_total{{{OVERLOAD}}}[{WINDOW}]))"
+REJECTED = Counter(
+    "kvstorm:rejected_requests_total", "reason", ("max_waiting", "max_queue_delay", "engine_unavailable")
+)
+GUARDRAIL_WINDOW = "5m"
+# How long a guardrail must be crossed before its alert fires.
+GUARDRAIL_FOR_S = 120
 
 
 def _spec(
@@ -114,8 +187,8 @@ def _spec(
             objective=0.999,
             unit="percentunit",
             description="99.9% of finished requests end without an engine error (finish reason error)",
-            good=f"{FINISHED} - {ERRORS}",
-            total=FINISHED,
+            good=Events((FINISHED,), minus=(ERRORS,)),
+            total=Events((FINISHED,)),
         ),
         Slo(
             name="admitted",
@@ -126,8 +199,8 @@ def _spec(
             unit="percentunit",
             description="95% of requests admitted rather than refused for load before they start (kvstorm's "
             "rejected requests: admission limits, an engine down or stalled; a server without that counter admits all)",
-            good=FINISHED,
-            total=f"{FINISHED} + ({REJECTED} or {FINISHED} * 0)",
+            good=Events((FINISHED,)),
+            total=Events((FINISHED, REJECTED)),
         ),
         Slo(
             name="preemptions",
@@ -136,7 +209,7 @@ def _spec(
             threshold=preemptions_per_s,
             unit="ops",
             description=f"at most {preemptions_per_s:g} preemptions per second over 5 minutes",
-            value="sum by (model_name) (rate(vllm:num_preemptions_total[5m]))",
+            rate_of=Counter("vllm:num_preemptions_total"),
         ),
         Slo(
             name="swap_out",
@@ -145,7 +218,7 @@ def _spec(
             threshold=swap_out_blocks_per_s,
             unit="ops",
             description=f"at most {swap_out_blocks_per_s:g} KV blocks swapped out per second over 5 minutes",
-            value='sum by (model_name) (rate(kvstorm:swap_blocks_total{direction="out"}[5m]))',
+            rate_of=Counter("kvstorm:swap_blocks_total", "direction", ("out",)),
         ),
         Slo(
             name="kv_usage",
@@ -154,7 +227,7 @@ def _spec(
             threshold=0.98,
             unit="percentunit",
             description="the KV cache under 98% used, so running requests can grow without preemption",
-            value="max by (model_name) (vllm:kv_cache_usage_perc)",
+            gauge="vllm:kv_cache_usage_perc",
         ),
     )
 

@@ -18,8 +18,15 @@ from chaos.controller.app import ControllerConfig, create_app
 from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.processes import ManagedServer, free_port
 from chaos.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
+from chaos.state import SLO_PROFILE_ENV
+from dashboards.slo import PROFILES
 
 CONTROLLER_TOKEN_ENV = "KVSTORM_CHAOS_TOKEN"
+PROMETHEUS_URL_ENV = "KVSTORM_PROMETHEUS_URL"
+PROMETHEUS_HELP = (
+    f"a Prometheus that scrapes the target (${PROMETHEUS_URL_ENV}): each run's report links the SLO and engine "
+    "dashboards over the run, drawn from it"
+)
 DEMO_EXPERIMENT = "burst-with-vram-cap"
 # A KV pool a burst on this model fills: 64 MiB holds 88 blocks of 16 tokens in float32 (about 1,400 tokens, eight
 # requests of the experiment's shapes), and the experiment's 30% cap leaves 26 blocks.
@@ -41,6 +48,14 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--model", default=None, help="the model name the server expects")
     run.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="any configuration value")
     run.add_argument("--results-dir", type=Path, default=Path("chaos-results"), help="where each run's folder goes")
+    run.add_argument(
+        "--slo-profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help=f"the dashboards' SLO spec the verdict reports and slo_* probes judge by (${SLO_PROFILE_ENV}, else cpu)",
+    )
+    run.add_argument("--slo-file", type=Path, default=None, help="YAML overrides: {slo: {threshold, objective}}")
+    run.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV), help=PROMETHEUS_HELP)
     run.add_argument(
         "--events",
         action="store_true",
@@ -70,6 +85,7 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--results-dir", type=Path, default=Path("chaos-results/controller"))
     serve.add_argument("--max-run-s", type=float, default=1800.0, help="a run that lasts longer is stopped")
     serve.add_argument("--lease-s", type=float, default=30.0, help="the engine clears unrenewed faults after this")
+    serve.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV), help=PROMETHEUS_HELP)
     serve.set_defaults(handler=run_controller)
 
 
@@ -89,7 +105,15 @@ def run_chaos(args: argparse.Namespace) -> int:
     if args.model:
         variables["model"] = args.model
     on_event = _print_event if args.events else None
-    run = run_experiment_file(resolve_experiment(args.experiment), variables, args.results_dir, on_event=on_event)
+    run = run_experiment_file(
+        resolve_experiment(args.experiment),
+        variables,
+        args.results_dir,
+        on_event=on_event,
+        slo_profile=args.slo_profile,
+        slo_file=args.slo_file,
+        prometheus_url=args.prometheus_url,
+    )
     _print_where(run.results_dir)
     return run.verdict.exit_code
 
@@ -115,6 +139,7 @@ def run_controller(args: argparse.Namespace) -> int:
         results_dir=args.results_dir,
         max_run_s=args.max_run_s,
         lease_s=args.lease_s,
+        prometheus_url=args.prometheus_url,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0

@@ -39,6 +39,8 @@ class ControllerConfig:
     results_dir: Path
     max_run_s: float = 1800.0
     lease_s: float = 30.0
+    # Each run's report links the dashboards drawn from this Prometheus over the run.
+    prometheus_url: str | None = None
 
     def __post_init__(self) -> None:
         if not self.admin_token or not self.controller_token:
@@ -57,7 +59,13 @@ class StartRun(BaseModel):
 def create_app(config: ControllerConfig) -> FastAPI:
     metrics = ControllerMetrics(config.target_url)
     runs = RunManager(
-        config.target_url, config.model, config.admin_token, config.results_dir, metrics, config.max_run_s
+        config.target_url,
+        config.model,
+        config.admin_token,
+        config.results_dir,
+        metrics,
+        config.max_run_s,
+        config.prometheus_url,
     )
     admin = EngineAdmin(config.target_url, config.admin_token)
     ad_hoc: dict[str, LeaseKeeper] = {}

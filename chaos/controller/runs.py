@@ -107,6 +107,7 @@ class RunManager:
         results_dir: Path,
         metrics: ControllerMetrics,
         max_run_s: float,
+        prometheus_url: str | None = None,
     ) -> None:
         self.target_url = target_url
         self.model = model
@@ -114,6 +115,7 @@ class RunManager:
         self.results_dir = results_dir
         self.metrics = metrics
         self.max_run_s = max_run_s
+        self.prometheus_url = prometheus_url
         self.library = load_library()
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
@@ -140,6 +142,7 @@ class RunManager:
             sys.executable, "-m", "kvstorm", "chaos", "run", str(experiment.path), "--events",
             "--target", self.target_url, "--model", self.model, "--results-dir", str(run.results_dir),
             *(f"--var={key}={json.dumps(value)}" for key, value in overrides.items()),
+            *(["--prometheus-url", self.prometheus_url] if self.prometheus_url else []),
         ]  # fmt: skip
         with open(run.results_dir / "run.log", "wb") as log:
             run.process = subprocess.Popen(

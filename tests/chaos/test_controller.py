@@ -24,11 +24,12 @@ LEASE_S = 3.0
 
 
 @contextmanager
-def controller(kvstorm_server, tmp_path) -> Iterator[tuple[str, ManagedServer]]:
+def controller(kvstorm_server, tmp_path, *options: str) -> Iterator[tuple[str, ManagedServer]]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = ["kvstorm", "chaos", "serve", "--target", kvstorm_server.url, "--port", str(port),
-               "--results-dir", str(tmp_path / "results"), "--lease-s", str(LEASE_S), "--max-run-s", "300"]  # fmt: skip
+               "--results-dir", str(tmp_path / "results"), "--lease-s", str(LEASE_S), "--max-run-s", "300",
+               *options]  # fmt: skip
     os.environ["KVSTORM_CHAOS_TOKEN"] = TOKEN
     process = ManagedServer(command, f"{url}/health", tmp_path / "controller.log")
     process.start()

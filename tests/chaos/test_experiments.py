@@ -1,6 +1,6 @@
 """Chaos experiments end to end against the real engine: ``kvstorm chaos run`` and the stock ``chaos run`` on the same
-file agree, the verdict passes when the steady state holds and fails when an SLO is really violated, and the
-rollbacks leave no fault on the engine.
+file agree, the verdict passes when the steady state holds and fails when an SLO of the dashboards' spec is really
+violated, and the rollbacks leave no fault on the engine.
 
 The library's "burst with a VRAM cap" runs shortened (a 10 s load, a 10% cap for 4 s) through ``--var``.
 """
@@ -8,14 +8,16 @@ The library's "burst with a VRAM cap" runs shortened (a 10 s load, a 10% cap for
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from chaos.runner import EXPERIMENTS_DIR
+from chaos.state import SLO_FILE_ENV
 
 EXPERIMENT = EXPERIMENTS_DIR / "burst-with-vram-cap.yaml"
 SHORT = {
@@ -31,20 +33,19 @@ SHORT = {
 CHAOS_CLI = Path(sys.executable).with_name("chaos")
 
 
-def tight_ttft_experiment(directory: Path) -> Path:
-    """The same experiment with a TTFT SLO (1 s at p99) that the calm baseline meets and the capped burst cannot:
-    a 10% cap runs one request at a time while two arrive every second."""
-    experiment = yaml.safe_load(EXPERIMENT.read_text())
-    for probe in experiment["steady-state-hypothesis"]["probes"]:
-        if probe["name"] == "ttft-p99-s":
-            probe["tolerance"] = {"type": "range", "range": [0, 1.0]}
-    path = directory / "tight-ttft.yaml"
-    path.write_text(yaml.safe_dump(experiment))
+def tight_ttft_slo(directory: Path) -> Path:
+    """The SLO spec with TTFT at 1 s (99%): the calm baseline meets it; a burst at 6 requests/s under a 10% cap,
+    which runs one request at a time, burns its budget far faster than the 14.4x the experiment allows."""
+    path = directory / "slo.yaml"
+    path.write_text("ttft: {threshold: 1.0, objective: 0.99}\n")
     return path
 
 
-def kvstorm_chaos_run(path: Path, url: str, results: Path) -> tuple[int, Path]:
-    variables = [f"--var={key}={value}" for key, value in SHORT.items()]
+TIGHT = {**SHORT, "arrival": "poisson:rate=6", "cap_for_s": 6}
+
+
+def kvstorm_chaos_run(path: Path, url: str, results: Path, settings: dict = SHORT, *options: str) -> tuple[int, Path]:
+    variables = [f"--var={key}={value}" for key, value in settings.items()]
     command = [
         sys.executable,
         "-m",
@@ -57,20 +58,28 @@ def kvstorm_chaos_run(path: Path, url: str, results: Path) -> tuple[int, Path]:
         "--results-dir",
         str(results),
     ]
-    result = subprocess.run([*command, *variables], capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run([*command, *variables, *options], capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode in (0, 1), result.stderr[-3000:]
     (run_dir,) = results.iterdir()
     return result.returncode, run_dir
 
 
-def stock_chaos_run(path: Path, url: str, workdir: Path) -> tuple[int, dict]:
+def stock_chaos_run(
+    path: Path, url: str, workdir: Path, settings: dict = SHORT, env: dict | None = None
+) -> tuple[int, dict]:
     # The stock CLI takes a number as text unless typed (key:int=value).
     types = {int: ":int", float: ":float", str: ""}
-    variables = [f"--var={key}{types[type(value)]}={value}" for key, value in {**SHORT, "target_url": url}.items()]
+    variables = [f"--var={key}{types[type(value)]}={value}" for key, value in {**settings, "target_url": url}.items()]
     journal = workdir / "journal.json"
     command = [str(CHAOS_CLI), "run", "--rollback-strategy", "always", "--journal-path", str(journal), *variables]
     result = subprocess.run(
-        [*command, str(path)], capture_output=True, text=True, timeout=600, cwd=workdir, check=False
+        [*command, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=workdir,
+        check=False,
+        env={**os.environ, **(env or {})},
     )
     return result.returncode, json.loads(journal.read_text())
 
@@ -102,23 +111,30 @@ def test_the_vram_cap_experiment_holds_and_both_clis_say_so(kvstorm_server, tmp_
     assert_no_fault_left(kvstorm_server)
 
 
-def test_a_violated_slo_fails_the_verdict_in_both_clis_and_the_rollback_still_clears_the_cap(kvstorm_server, tmp_path):
-    path = tight_ttft_experiment(tmp_path)
-    code, run_dir = kvstorm_chaos_run(path, kvstorm_server.url, tmp_path / "kvstorm")
+def test_a_violated_slo_of_the_spec_fails_the_verdict_in_both_clis_and_the_rollback_still_clears_the_cap(
+    kvstorm_server, tmp_path
+):
+    slo_file = tight_ttft_slo(tmp_path)
+    code, run_dir = kvstorm_chaos_run(
+        EXPERIMENT, kvstorm_server.url, tmp_path / "kvstorm", TIGHT, "--slo-file", str(slo_file)
+    )
     assert code == 1
     verdict = (run_dir / "verdict.md").read_text()
     headline = verdict.splitlines()[0]
     assert "DEVIATED" in headline
-    assert "ttft-p99-s" in headline
+    assert "ttft-slo-burn-rate" in headline
+    assert re.search(r"\| Time to first token \| >= 99.00% within 1 s \|.*\| MISSED \|", verdict)
     journal = json.loads((run_dir / "journal.json").read_text())
     assert journal["deviated"] is True
     before = {run["activity"]["name"]: run for run in journal["steady_states"]["before"]["probes"]}
-    assert before["ttft-p99-s"]["tolerance_met"], "the calm baseline met the SLO: the burst under the cap broke it"
+    assert before["ttft-slo-burn-rate"]["tolerance_met"], "the calm baseline met the SLO: the burst broke it"
     assert_no_fault_left(kvstorm_server)
 
     workdir = tmp_path / "stock"
     workdir.mkdir()
-    stock_code, stock_journal = stock_chaos_run(path, kvstorm_server.url, workdir)
+    stock_code, stock_journal = stock_chaos_run(
+        EXPERIMENT, kvstorm_server.url, workdir, TIGHT, {SLO_FILE_ENV: str(slo_file)}
+    )
     assert stock_code != 0
     assert (stock_journal["status"], stock_journal["deviated"]) == (journal["status"], True)
     assert_no_fault_left(kvstorm_server)

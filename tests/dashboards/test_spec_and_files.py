@@ -94,7 +94,7 @@ def test_a_users_overrides_change_thresholds_and_bad_ones_are_refused(tmp_path):
     overrides.write_text("ttft: {threshold: 2.0, objective: 0.995}\nkv_usage: {threshold: 0.9}\n")
     slos = {slo.name: slo for slo in load_spec("cpu", overrides)}
     assert (slos["ttft"].threshold, slos["ttft"].objective) == (2.0, 0.995)
-    assert 'le="2.0"' in slos["ttft"].good
+    assert 'le="2.0"' in slos["ttft"].good.rate("5m")
     assert slos["kv_usage"].threshold == 0.9
     with pytest.raises(ValueError, match="unknown SLO 'tfft'"):
         load_spec("cpu", {"tfft": {"threshold": 1}})

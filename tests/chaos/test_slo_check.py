@@ -1,0 +1,55 @@
+"""The dashboards' SLO spec judged from scrapes of /metrics (chaos.slo_check): the counts across a server restart,
+a gauge guardrail that must stay crossed as long as its alert waits, and a server that lacks a metric."""
+
+from __future__ import annotations
+
+from chaos.metrics import MetricsSample
+from chaos.slo_check import evaluate
+from chaos.state import LoadRun
+from dashboards.slo import GUARDRAIL_FOR_S, load_spec
+
+SLOS = {slo.name: slo for slo in load_spec("cpu")}  # ttft within 5 s at 99%
+
+
+def scrape(unix_s: float, ttft_good: int, ttft_all: int, kv_usage: float = 0.0) -> MetricsSample:
+    text = f"""# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{le="5.0",model_name="m"}} {ttft_good}
+vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {ttft_all}
+vllm:time_to_first_token_seconds_count{{model_name="m"}} {ttft_all}
+vllm:time_to_first_token_seconds_sum{{model_name="m"}} 1
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} {kv_usage}
+"""
+    return MetricsSample.parse(text, unix_s)
+
+
+def load_of(*scrapes: MetricsSample) -> LoadRun:
+    return LoadRun("main", metrics_before=scrapes[0], metrics_after=scrapes[-1], samples=list(scrapes[1:-1]))
+
+
+def test_events_count_what_happened_during_the_load_across_a_restart():
+    # 10 requests before the load; 8 (6 good) until the server restarts; 5 (3 good) after it.
+    load = load_of(scrape(0, 10, 10), scrape(1, 16, 18), scrape(2, 1, 2), scrape(3, 3, 5))
+    result = evaluate(SLOS["ttft"], load)
+    assert (result.good, result.total) == (9, 13)
+    assert result.value == 9 / 13
+    assert result.met is False
+    assert round(result.burn_rate, 1) == round((4 / 13) / 0.01, 1)
+
+
+def test_a_load_without_events_neither_meets_nor_misses():
+    result = evaluate(SLOS["ttft"], load_of(scrape(0, 4, 4), scrape(1, 4, 4)))
+    assert (result.value, result.met, result.burn_rate) == (None, None, None)
+
+
+def test_kv_usage_misses_only_when_above_its_threshold_as_long_as_its_alert_waits():
+    full_briefly = [scrape(t, 0, 0, kv_usage=1.0 if 10 <= t < 40 else 0.5) for t in range(0, 200, 10)]
+    result = evaluate(SLOS["kv_usage"], load_of(*full_briefly))
+    assert (result.value, result.seconds_over, result.met) == (1.0, 30, True)
+    full_long = [scrape(t, 0, 0, kv_usage=1.0) for t in range(0, GUARDRAIL_FOR_S + 20, 10)]
+    assert evaluate(SLOS["kv_usage"], load_of(*full_long)).met is False
+
+
+def test_a_metric_the_server_does_not_expose_is_said_so():
+    result = evaluate(SLOS["swap_out"], load_of(scrape(0, 0, 0), scrape(1, 0, 0)))
+    assert (result.exposed, result.value, result.met) == (False, None, None)
