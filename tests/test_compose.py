@@ -1,0 +1,312 @@
+"""The compose stack (compose.yaml, compose.gpu.yaml, Dockerfile) without a Docker engine: what cannot run here is
+validated (the Compose spec's JSON schema, hadolint, promtool, the files every service mounts, its command against
+the image's entry points, ports and healthchecks against the code's defaults), and what can run does: every service
+but Grafana as a plain process on loopback, with the command and environment compose.yaml gives it, one bounded
+Locust burst and one chaos experiment through the controller.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import requests
+import yaml
+
+from chaos.processes import ManagedServer, free_port
+from dashboards.build import COMPOSE_CONTROLLER_TARGETS, COMPOSE_ENGINE_TARGETS, COMPOSE_PROMETHEUS_URL, GENERATED_DIR
+from kvstorm.cli import build_parser
+from tests.chaos.test_controller import events_until_end
+from tests.chaos.test_experiments import SHORT
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "compose.yaml"
+GPU_OVERRIDE = REPO / "compose.gpu.yaml"
+SCHEMA = Path(sys.prefix) / "share" / "compose-spec.json"  # the Makefile extracts it
+BIN = Path(sys.executable).parent
+IMAGE_WORKDIR = "/app"  # the Dockerfile's WORKDIR: the repository root
+# The image's entry points: the console scripts pip installs from pyproject.toml and its dependencies.
+ENTRY_POINTS = ("kvstorm", "locust")
+
+
+def compose(path: Path = COMPOSE) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def services() -> dict[str, dict]:
+    return compose()["services"]
+
+
+def kvstorm_services() -> dict[str, dict]:
+    return {name: service for name, service in services().items() if service.get("image") == "kvstorm:local"}
+
+
+def env_of(service: dict) -> dict[str, str]:
+    env = {}
+    for env_file in service.get("env_file", []):
+        for line in (REPO / env_file).read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                key, value = line.split("=", 1)
+                env[key] = value
+    return {**env, **{key: str(value) for key, value in (service.get("environment") or {}).items()}}
+
+
+def published_port(service: dict) -> int:
+    (mapping,) = service["ports"]
+    host, container = mapping.split(":")
+    assert host == container, "published on the same port as inside"
+    return int(container)
+
+
+def option(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+# ---- what cannot run here: validated ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+def test_compose_files_validate_against_the_compose_spec(path):
+    assert SCHEMA.exists(), f"{SCHEMA} is missing: run `make setup`"
+    schema = json.loads(SCHEMA.read_text())
+    errors = sorted(jsonschema.Draft201909Validator(schema).iter_errors(compose(path)), key=str)
+    assert errors == [], [f"{'/'.join(map(str, e.path))}: {e.message}" for e in errors]
+
+
+def test_the_schema_refuses_what_compose_refuses():
+    schema = json.loads(SCHEMA.read_text())
+    broken = compose()
+    broken["services"]["engine"]["healthcheck"]["intervall"] = "5s"
+    assert not jsonschema.Draft201909Validator(schema).is_valid(broken)
+
+
+def test_every_kvstorm_command_parses_with_the_images_entry_points():
+    parser = build_parser()
+    for name, service in kvstorm_services().items():
+        command = service["command"]
+        assert command[0] in ENTRY_POINTS, name
+        if command[0] == "kvstorm":
+            parser.parse_args(command[1:])  # exits (SystemExit) on an unknown option
+        else:
+            locustfile = option(command, "-f")
+            assert (REPO / locustfile).is_file(), f"{name}: {locustfile} is not in the image's {IMAGE_WORKDIR}"
+    gpu = compose(GPU_OVERRIDE)["services"]["engine"]
+    parser.parse_args(gpu["command"][1:])
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert option(gpu["command"], "--dtype") == "bfloat16"
+    assert option(gpu["command"], "--attention-backend") == "triton"
+
+
+def test_every_mounted_file_and_env_file_exists():
+    for name, service in services().items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (REPO / source).exists(), f"{name} mounts {source}, which is not in the repository"
+            else:
+                assert source in compose()["volumes"], f"{name}: {source} is not a declared named volume"
+        for env_file in service.get("env_file", []):
+            assert (REPO / env_file).is_file(), env_file
+    assert {"KVSTORM_ADMIN_TOKEN", "KVSTORM_CHAOS_TOKEN"} <= set(env_of(services()["engine"]))
+
+
+def test_ports_healthchecks_and_targets_agree_with_the_code():
+    all_services = services()
+    engine, chaos, prometheus = all_services["engine"], all_services["chaos"], all_services["prometheus"]
+    engine_port = published_port(engine)
+    assert int(option(engine["command"], "--port")) == engine_port
+    assert f"127.0.0.1:{engine_port}/ready" in engine["healthcheck"]["test"][-1]
+    assert int(option(chaos["command"], "--port")) == published_port(chaos)
+    assert f"127.0.0.1:{published_port(chaos)}/health" in chaos["healthcheck"]["test"][-1]
+    assert option(chaos["command"], "--target") == f"http://engine:{engine_port}"
+    # What Prometheus scrapes and where Grafana and the controller find Prometheus: the build's defaults.
+    assert (f"engine:{engine_port}",) == COMPOSE_ENGINE_TARGETS
+    assert (f"chaos:{published_port(chaos)}",) == COMPOSE_CONTROLLER_TARGETS
+    assert f"http://prometheus:{published_port(prometheus)}" == COMPOSE_PROMETHEUS_URL
+    assert option(chaos["command"], "--prometheus-url") == COMPOSE_PROMETHEUS_URL
+    master, worker = all_services["locust-master"], all_services["locust-worker"]
+    assert option(master["command"], "--host") == f"http://engine:{engine_port}"
+    assert int(option(master["command"], "--web-port")) == published_port(master)
+    assert option(worker["command"], "--master-host") == "locust-master"
+    assert option(worker["command"], "--master-port") == option(master["command"], "--master-bind-port")
+    # The defaults the code gives a user who starts the same programs by hand.
+    defaults = build_parser()
+    assert defaults.parse_args(["serve"]).port == engine_port
+    assert defaults.parse_args(["chaos", "serve", "--target", "x"]).port == published_port(chaos)
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"127.0.0.1:{engine_port}/ready" in dockerfile
+    assert f'"--port", "{engine_port}"' in dockerfile
+
+
+def test_prometheus_files_pass_promtool():
+    mount = next(v for v in services()["prometheus"]["volumes"] if v.endswith(":/etc/prometheus:ro"))
+    directory = REPO / mount.split(":")[0]
+    for args in (["check", "config", "prometheus.yml"], ["check", "rules", "kvstorm-rules.yml"]):
+        result = subprocess.run(["promtool", *args], cwd=directory, capture_output=True, text=True, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisioning_points_at_the_dashboards_the_build_produces():
+    grafana = services()["grafana"]
+    mounts = dict(reversed(v.removesuffix(":ro").split(":")) for v in grafana["volumes"])
+    provisioning = REPO / mounts["/etc/grafana/provisioning"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "kvstorm.yml").read_text())["providers"]
+    dashboards_dir = REPO / mounts[provider["options"]["path"]]
+    assert dashboards_dir == GENERATED_DIR / "grafana" / "dashboards"
+    uids = {json.loads(p.read_text())["uid"] for p in dashboards_dir.glob("*.json")}
+    assert uids == {"kvstorm-engine", "kvstorm-slo", "kvstorm-chaos"}
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    assert json.loads((dashboards_dir / Path(home).name).read_text())["uid"] == "kvstorm-slo"
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert datasource["url"] == COMPOSE_PROMETHEUS_URL
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+
+
+def test_the_dockerfile_passes_hadolint_and_copies_only_what_exists():
+    result = subprocess.run(
+        [str(BIN / "hadolint"), "Dockerfile"], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    dockerfile = (REPO / "Dockerfile").read_text()
+    copied = [source for line in re.findall(r"^COPY (.+)$", dockerfile, re.M) for source in line.split()[:-1]]
+    assert copied
+    kept = {line[1:] for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    for source in copied:
+        assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+        assert source in kept, f"COPY {source}: .dockerignore leaves it out of the build context"
+    packages = re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text())[1]
+    assert {p.strip('" *') for p in packages.split(",")} <= set(copied), "every package the install needs"
+
+
+# ---- what can run here: the services as processes -----------------------------------------------------------------
+
+
+class Stack:
+    """compose.yaml's services on loopback: each container port gets a free port, each service name 127.0.0.1."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.ports = {published_port(s): free_port() for s in services().values() if "ports" in s}
+        master = services()["locust-master"]["command"]
+        self.ports[int(option(master, "--master-bind-port"))] = free_port()
+        self.processes: list[ManagedServer] = []
+
+    def url(self, service: str) -> str:
+        return f"http://127.0.0.1:{self.ports[published_port(services()[service])]}"
+
+    def translate(self, name: str) -> list[str]:
+        """The service's command with addresses, ports and mounted paths as they are outside a container."""
+        service = services()[name]
+        mounts = {target: self._mount_source(name, source) for source, target, *_ in
+                  (volume.split(":") for volume in service.get("volumes", []))}  # fmt: skip
+        mounts[IMAGE_WORKDIR] = REPO
+        out = []
+        for index, token in enumerate(service["command"]):
+            token = token.replace("0.0.0.0", "127.0.0.1")
+            token = re.sub(r"//[a-z-]+:(\d+)", lambda m: f"//127.0.0.1:{self.ports[int(m[1])]}", token)
+            token = re.sub(r"^(127\.0\.0\.1):(\d+)$", lambda m: f"{m[1]}:{self.ports[int(m[2])]}", token)
+            token = re.sub(r"=127\.0\.0\.1:(\d+)$", lambda m: f"=127.0.0.1:{self.ports[int(m[1])]}", token)
+            previous = service["command"][index - 1] if index else ""
+            if token in services() and "host" in previous:
+                token = "127.0.0.1"
+            elif "port" in previous and token.isdigit():
+                token = str(self.ports[int(token)])
+            elif previous == "-f":
+                token = str(REPO / token)
+            for target, source in mounts.items():
+                token = re.sub(rf"(^|=){re.escape(target)}(?=/|$)", lambda m, s=source: m[1] + str(s), token)
+            out.append(token)
+        return out
+
+    def start(self, name: str, ready_path: str) -> None:
+        service = services()[name]
+        command = self.translate(name)
+        executable = shutil.which("prometheus") if name == "prometheus" else str(BIN / command[0])
+        command = [executable, *command] if name == "prometheus" else [executable, *command[1:]]
+        ready = f"{self.url(name)}{ready_path}" if "ports" in service else f"{self.url('locust-master')}/"
+        process = ManagedServer(command, ready, self.tmp / f"{name}.log", env=env_of(service))
+        self.processes.append(process)
+        process.start(timeout_s=240)
+
+    def _mount_source(self, name: str, source: str) -> Path:
+        """A named volume: a fresh folder. A bind mount: the repository's files, where Prometheus' config has the
+        service names as loopback addresses (what compose's network resolves)."""
+        if not source.startswith("."):
+            return self.tmp / "volumes" / source
+        if name != "prometheus":
+            return REPO / source
+        copy = self.tmp / "prometheus-config"
+        shutil.copytree(REPO / source, copy)
+        config = copy / "prometheus.yml"
+        config.write_text(re.sub(r"\b(?:engine|chaos):(\d+)", lambda m: f"127.0.0.1:{self.ports[int(m[1])]}",
+                                 config.read_text()))  # fmt: skip
+        return copy
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+
+def test_the_stack_runs_as_compose_wires_it(tmp_path):
+    stack = Stack(tmp_path)
+    token = env_of(services()["chaos"])["KVSTORM_CHAOS_TOKEN"]
+    try:
+        # In depends_on order, each waited for as its healthcheck would.
+        stack.start("engine", "/ready")
+        stack.start("prometheus", "/-/ready")
+        stack.start("chaos", "/health")
+        stack.start("locust-master", "/")
+        stack.start("locust-worker", "/")
+        locust = stack.url("locust-master")
+        wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["worker_count"] == 1, "a worker")
+        # A bounded burst from the web UI's own API: 4 users for 15 s.
+        swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": "15s"}, timeout=10)
+        assert swarm.json()["success"], swarm.text
+        wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the burst",
+                 timeout_s=60)  # fmt: skip
+        stats = {row["method"]: row for row in requests.get(f"{locust}/stats/requests", timeout=5).json()["stats"]}
+        assert stats["TTFT"]["num_requests"] > 0
+        assert stats["ITL"]["num_requests"] > stats["TTFT"]["num_requests"]
+        assert stats["TTFT"]["num_failures"] == 0
+        # An experiment through the controller, with the token compose gives it.
+        controller = stack.url("chaos")
+        auth = {"Authorization": f"Bearer {token}"}
+        body = {"experiment": "burst-with-vram-cap", "overrides": SHORT}
+        run = requests.post(f"{controller}/runs", json=body, headers=auth, timeout=30)
+        assert run.status_code == 201, run.text
+        events = events_until_end(controller, run.json()["id"], auth)
+        (verdict,) = [event for event in events if event["type"] == "verdict"]
+        assert verdict["status"] == "held", verdict
+        # Prometheus scraped both, as configured by the files compose mounts.
+        prometheus = stack.url("prometheus")
+        up = {r["metric"]["job"]: r["value"][1] for r in instant(prometheus, "up")}
+        assert up == {"engine": "1", "chaos-controller": "1"}
+        assert instant(prometheus, "sum(vllm:request_success_total) > 0")
+        held = 'kvstorm_chaos_runs_total{experiment="burst-with-vram-cap", result="held"} == 1'
+        wait_for(lambda: instant(prometheus, held), "the run's result in Prometheus", timeout_s=20)
+    finally:
+        stack.stop()
+
+
+def instant(prometheus_url: str, expr: str) -> list[dict]:
+    return requests.get(f"{prometheus_url}/api/v1/query", params={"query": expr}, timeout=10).json()["data"]["result"]
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (requests.RequestException, KeyError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"no {what} within {timeout_s:g} s")
