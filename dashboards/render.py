@@ -61,7 +61,8 @@ def render(boards: Sequence[Board], prometheus_url: str, start_unix: float, end_
             f"<h2>{html.escape(board.title)}</h2><p>{html.escape(board.description)}</p>"
             f"<div class='grid'>{''.join(figures)}</div>"
         )
-    window = f"the last {(end_unix - start_unix) / 60:.0f} minutes"
+    seconds = end_unix - start_unix
+    window = f"the last {seconds:.0f} s" if seconds < 120 else f"the last {seconds / 60:.0f} minutes"
     return (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>kvstorm dashboards</title>"
         f"<style>{_CSS}</style></head><body><h1>kvstorm dashboards</h1>"
