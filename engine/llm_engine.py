@@ -115,6 +115,7 @@ class LLMEngine:
                 config.max_model_len or self.model_config.max_position_embeddings,
                 self.model_config.max_position_embeddings,
             ),
+            vocab_size=self.model_config.vocab_size,
             block_size=cache.block_size,
             bytes_per_block=bytes_per_block,
             attention_backend=type(model.backend).__name__,
@@ -173,6 +174,9 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        outside = [t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias)) if t >= self.info.vocab_size]
+        if outside:
+            raise ValueError(f"token ids {outside} are outside the vocabulary of {self.info.vocab_size} tokens")
         request = Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt_ids,

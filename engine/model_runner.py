@@ -79,6 +79,7 @@ class ModelRunner:
             [s.sampling_params for s in to_sample],
             [self._generator(s) for s in to_sample],
             [s.banned_token_ids for s in to_sample],
+            [(s.prompt_token_ids, s.output_token_ids) for s in to_sample],
         )
         sampled = {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
         return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens))

@@ -1,4 +1,5 @@
-"""The batched sampler: greedy, temperature, top-k, top-p, per-request seeds, banned tokens."""
+"""The batched sampler: penalties and logit bias, greedy, temperature, top-k, top-p, min-p, per-request seeds,
+banned tokens."""
 
 from __future__ import annotations
 
@@ -22,15 +23,36 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[frozenset[int]] | None = None,
+    tokens_so_far: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
 ) -> list[int]:
-    """One token id per row of ``logits`` [B, vocab]; a row's banned ids are never drawn."""
-    if banned_token_ids is not None and any(banned_token_ids):
+    """One token id per row of ``logits`` [B, vocab]; a row's banned ids are never drawn. ``tokens_so_far``: each
+    row's (prompt, output) token ids, which its penalties count."""
+    if any(p.has_penalties or p.logit_bias for p in params) or (banned_token_ids and any(banned_token_ids)):
         logits = logits.clone()
-        for row, banned in enumerate(banned_token_ids):
-            if banned:
-                logits[row, list(banned)] = float("-inf")
+        for row, p in enumerate(params):
+            if p.has_penalties:
+                _penalize(logits[row], p, *tokens_so_far[row])
+            if p.logit_bias:
+                ids, biases = zip(*p.logit_bias, strict=True)
+                logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            if banned_token_ids and banned_token_ids[row]:
+                logits[row, list(banned_token_ids[row])] = float("-inf")
     greedy = logits.argmax(dim=-1).tolist()
     return [greedy[i] if p.is_greedy else _sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
+
+
+def _penalize(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> None:
+    """In place, on one row: vLLM's repetition penalty over prompt and output, then OpenAI's frequency and presence
+    penalties over the output."""
+    device = logits.device
+    if params.repetition_penalty != 1 and (prompt or output):
+        seen = torch.tensor(sorted({*prompt, *output}), device=device)
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if output and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.tensor(list(output), device=device).unique(return_counts=True)
+        logits[ids] -= counts.to(logits.dtype) * params.frequency_penalty + params.presence_penalty
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -45,6 +67,8 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         outside = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

@@ -157,6 +157,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"enables /admin/* behind this bearer token (default: ${ADMIN_TOKEN_ENV})",
     )
     server.add_argument(
+        "--strict-api",
+        action="store_true",
+        help="refuse unknown request fields with a 400 (default: ignore them, as vLLM does, and name them in the "
+        "X-Kvstorm-Ignored-Fields response header)",
+    )
+    server.add_argument(
         "--histogram-buckets",
         type=_float_list,
         default=(),
@@ -178,6 +184,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         stall_timeout_s=args.stall_timeout,
         admin_token=args.admin_token,
+        strict_api=args.strict_api,
     )
     limits = AdmissionLimits(
         max_waiting=args.max_waiting,

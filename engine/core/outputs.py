@@ -6,6 +6,7 @@ the engine through them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.core.config import PreemptionMode
@@ -30,6 +31,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     # Stop tokens masked out of this step's sampling (min_tokens not reached yet).
     banned_token_ids: frozenset[int] = frozenset()
+    # The request's tokens so far, for its penalties (empty unless sampling_params.has_penalties).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
     @property
     def num_new_tokens(self) -> int:
@@ -183,6 +187,7 @@ class EngineInfo:
     device: str
     dtype: str
     max_model_len: int
+    vocab_size: int
     block_size: int
     bytes_per_block: int
     attention_backend: str

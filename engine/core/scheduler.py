@@ -251,6 +251,11 @@ class Scheduler:
                 needs_sample=start + num_new == request.num_tokens,
                 sampling_params=request.sampling_params,
                 banned_token_ids=request.banned_token_ids(),
+                **(
+                    {"prompt_token_ids": request.prompt_token_ids, "output_token_ids": request.output_token_ids}
+                    if request.sampling_params.has_penalties
+                    else {}
+                ),
             )
         )
         budget.tokens -= num_new

@@ -1,23 +1,27 @@
 """The OpenAI-compatible wire format: request and response models, errors, and the OpenAPI document.
 
 Requests are validated by these pydantic models in strict mode (no "5" for 5, no
-true for 1) with unknown fields refused, and ``/openapi.json`` is generated from
-the same models, so the document describes exactly what the server accepts.
-OpenAI parameters that kvstorm does not implement (penalties, logit bias) are
-accepted at their neutral values only, since common clients send those by default.
+true for 1), and ``/openapi.json`` is generated from the same models, so the
+document describes exactly what the server accepts. Unknown fields are refused by
+the models; the server drops and reports them unless ``--strict-api``
+(``engine.serving.server``), as vLLM does. OpenAI parameters that change the
+output and that kvstorm does not implement (``suffix``, tools, a JSON response
+format, ``best_of`` above ``n``) are accepted at their neutral values only, since
+common clients send those by default; anything else gets a 400 naming them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
 from engine.core.sampling_params import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 16  # n: choices per prompt
 NonEmptyString = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
@@ -28,6 +32,11 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk with token usage and no choices")
+    continuous_usage_stats: bool = Field(False, description="Also carry the usage so far in every chunk")
+
+
+def _not_supported(name: str, neutral: str) -> ValueError:
+    return ValueError(f"{name} is not supported by kvstorm; only {neutral} is accepted")
 
 
 class _SamplingRequest(_Strict):
@@ -48,15 +57,24 @@ class _SamplingRequest(_Strict):
     )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="No stop token before this many tokens")
-    n: Literal[1] = Field(1, description="Only one choice per prompt is supported")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt (with a seed: seed, seed + 1, ...)")
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="Not implemented: only 0 is accepted")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="Not implemented: only 0 is accepted")
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(
-        None, description="Not implemented: only null or {} is accepted"
+    presence_penalty: float | None = Field(
+        0.0, ge=-2, le=2, description="Subtracted from the logit of every token the output already has"
     )
+    frequency_penalty: float | None = Field(
+        0.0, ge=-2, le=2, description="Subtracted once per occurrence of a token in the output so far"
+    )
+    repetition_penalty: float | None = Field(
+        1.0, gt=0, description="vLLM's: divides positive (multiplies negative) logits of prompt and output tokens"
+    )
+    min_p: float | None = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> value added to its logit"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids that end the output")
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -64,6 +82,14 @@ class _SamplingRequest(_Strict):
     def num_logprobs(self) -> int | None:
         """How many of the most likely tokens to report beside each sampled one; None: no logprobs."""
         return None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got {key!r}")
+        return value
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``ValueError`` for combinations the fields alone cannot express (e.g. min_tokens > max_tokens)."""
@@ -75,13 +101,26 @@ class _SamplingRequest(_Strict):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             stop=self.stop_strings(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             min_tokens=self.min_tokens,
             logprobs=self.num_logprobs(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            logit_bias=tuple((int(token), bias) for token, bias in (self.logit_bias or {}).items()),
         )
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        """A last chunk with usage; with continuous_usage_stats, usage in every chunk too."""
+        return self.stream_options is not None and (
+            self.stream_options.include_usage or self.stream_options.continuous_usage_stats
+        )
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
@@ -91,6 +130,23 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(
         None, ge=0, le=SamplingParams.MAX_LOGPROBS, description="Log-probability of each token and the N most likely"
     )
+    echo: bool = Field(False, description="The prompt's text before each choice's output")
+    best_of: int | None = Field(None, ge=1, description="Only n (or null) is supported: every choice is returned")
+    suffix: str | None = Field(None, description="Not supported: only null is accepted")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        if value is not None:
+            raise _not_supported("suffix (insertion)", "null")
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported by kvstorm")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported by kvstorm")
+        return self
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -103,8 +159,33 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer is OpenAI's newer name for system"
+    )
+    content: str | list[dict[str, Any]] = Field(description="Text, or a list of text parts {type: text, text}")
+    name: str | None = Field(None, description="Accepted; the chat template has no place for it")
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(value, str):
+            return value
+        for part in value:
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported: this model reads text parts only")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError("a text part is {type: text, text: string}")
+        return value
+
+    def template_message(self) -> dict[str, str]:
+        """What the chat template reads: parts joined by newlines (as vLLM does), developer as system."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p["text"] for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"] = Field(description="Only text: JSON modes and schemas are not supported")
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -114,6 +195,24 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=SamplingParams.MAX_LOGPROBS, description="With logprobs: also the N most likely tokens"
     )
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = Field(None, description="Not supported: only null or [] is accepted")
+    tool_choice: Literal["none"] | None = Field(None, description="Only none: tools are not supported")
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise _not_supported("tools (function calling)", "null or []")
+        return value
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _text_format_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") in ("json_object", "json_schema"):
+            raise _not_supported(f"response_format {value['type']}", '{"type": "text"}')
+        return value
 
     @model_validator(mode="after")
     def _one_output_limit(self) -> ChatCompletionRequest:
@@ -272,7 +371,7 @@ def api_error_from_validation(error: ValidationError) -> ApiError:
     loc = first["loc"]
     param = str(loc[0]) if loc else None
     if first["type"] == "extra_forbidden":
-        return ApiError(400, f"unknown field '{param}'", param)
+        return ApiError(400, f"unknown field '{'.'.join(str(part) for part in loc)}'", param)
     union = [e for e in errors if e["loc"][:1] == loc[:1] and len(e["loc"]) > 1 and not str(e["loc"][1]).isdigit()]
     if len({str(e["loc"][1]) for e in union}) > 1:
         within_type = [e for e in union if not e["type"].endswith("_type")]
@@ -282,7 +381,8 @@ def api_error_from_validation(error: ValidationError) -> ApiError:
         first = within_type[0]
         loc = (param, *first["loc"][2:])
     where = ".".join(str(part) for part in loc)
-    return ApiError(400, f"'{where}': {first['msg']}", param)
+    message = first["msg"].removeprefix("Value error, ")
+    return ApiError(400, f"'{where}': {message}" if where else message, param)
 
 
 _ERROR_STATUSES = {

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -29,6 +29,7 @@ from engine.serving.admin import add_admin_routes
 from engine.serving.admission import AdmissionRefused
 from engine.serving.async_engine import AsyncEngine, EngineFailure, RequestStream
 from engine.serving.protocol import (
+    MAX_SEED,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,12 +37,22 @@ from engine.serving.protocol import (
     ModelCard,
     ModelList,
     ReadyResponse,
+    Usage,
     api_error_from_validation,
     openapi_document,
 )
-from engine.serving.streaming import ChoiceAssembler, final_response, role_chunk, token_chunk, usage_chunk
+from engine.serving.streaming import (
+    ChoiceAssembler,
+    final_response,
+    role_chunk,
+    token_chunk,
+    usage_chunk,
+    usage_of,
+)
 
 logger = logging.getLogger(__name__)
+IGNORED_FIELDS_HEADER = "X-Kvstorm-Ignored-Fields"
+_ignored_fields_logged: set[str] = set()
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
 
@@ -53,6 +64,8 @@ class ServerConfig:
     stall_timeout_s: float = 30.0
     # /admin/* exists only with a token.
     admin_token: str | None = None
+    # Refuse unknown request fields (400) instead of ignoring them and naming them in IGNORED_FIELDS_HEADER.
+    strict_api: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -137,7 +150,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     return error_response(rejection)
 
 
-async def _read_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+async def _read_body(request: web.Request, model: type[BaseModel]) -> tuple[BaseModel, list[str]]:
+    """The validated body, and the unknown fields dropped from it (none with ``strict_api``: a 400 instead)."""
     raw = await request.read()  # 413 (HTTPRequestEntityTooLarge) above client_max_size
     try:
         text = raw.decode("utf-8")
@@ -147,41 +161,111 @@ async def _read_body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ApiError(400, f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        raise api_error_from_validation(error) from None
+    ignored: list[str] = []
+    while True:
+        try:
+            return model.model_validate(data), ignored
+        except ValidationError as error:
+            unknown = [e["loc"] for e in error.errors() if e["type"] == "extra_forbidden"]
+            if request.app[SERVER_CONFIG].strict_api or not unknown:
+                raise api_error_from_validation(error) from None
+            for loc in unknown:
+                ignored.append(_drop(data, loc))
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
+
+
+def _drop(data: dict, loc: tuple) -> str:
+    """Remove the field at ``loc`` and say its name (logged the first time it is seen)."""
+    holder = data
+    for part in loc[:-1]:
+        holder = holder[part]
+    del holder[loc[-1]]
+    name = ".".join(str(part) for part in loc if not isinstance(part, int))
+    if name not in _ignored_fields_logged:
+        _ignored_fields_logged.add(name)
+        logger.warning("ignoring the unknown request field %r (--strict-api refuses it)", name)
+    return name
+
+
+def _ignored_header(ignored: Sequence[str]) -> dict[str, str]:
+    return {IGNORED_FIELDS_HEADER: ",".join(dict.fromkeys(ignored))} if ignored else {}
 
 
 # ---- completions ----------------------------------------------------------------------------------
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
-    body = await _read_body(request, CompletionRequest)
+    body, ignored = await _read_body(request, CompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
-    prompts = body.prompts()
     try:
         params = body.sampling_params(default_max_tokens=16)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
-    return await _generate(request, body, "cmpl", prompts, [params] * len(prompts), async_engine)
+    _check_token_ids(async_engine, params)
+    prompts = body.prompts()
+    echoes = [_prompt_text(async_engine, prompt) if body.echo else "" for prompt in prompts]
+    choices = [(prompt, echo) for prompt, echo in zip(prompts, echoes, strict=True) for _ in range(body.n)]
+    return await _generate(
+        request,
+        body,
+        "cmpl",
+        [prompt for prompt, _ in choices],
+        _per_choice(params, len(prompts), body.n),
+        async_engine,
+        ignored,
+        echoes=[echo for _, echo in choices],
+    )
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await _read_body(request, ChatCompletionRequest)
+    body, ignored = await _read_body(request, ChatCompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
     tokenizer = async_engine.engine.tokenizer
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token ids")
     try:
-        prompt_ids = tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+        prompt_ids = tokenizer.apply_chat_template([m.template_message() for m in body.messages])
         default_max_tokens = max(1, async_engine.engine.info.max_model_len - len(prompt_ids))
         params = body.sampling_params(default_max_tokens)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
-    return await _generate(request, body, "chatcmpl", [prompt_ids], [params], async_engine)
+    _check_token_ids(async_engine, params)
+    params_list = _per_choice(params, 1, body.n)
+    return await _generate(request, body, "chatcmpl", [prompt_ids] * body.n, params_list, async_engine, ignored)
+
+
+def _check_token_ids(async_engine: AsyncEngine, params: SamplingParams) -> None:
+    vocab_size = async_engine.engine.info.vocab_size
+    for field, token_ids in (
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        outside = sorted(t for t in token_ids if t >= vocab_size)
+        if outside:
+            raise ApiError(400, f"token ids {outside} are outside the vocabulary of {vocab_size} tokens", field)
+
+
+def _per_choice(params: SamplingParams, num_prompts: int, n: int) -> list[SamplingParams]:
+    """``n`` choices per prompt, in OpenAI's order; a seeded request's choices use seed, seed + 1, ... so each is
+    reproducible and they differ."""
+    if params.seed is None:
+        return [params] * (num_prompts * n)
+    return [replace(params, seed=(params.seed + i) % (MAX_SEED + 1)) for _ in range(num_prompts) for i in range(n)]
+
+
+def _prompt_text(async_engine: AsyncEngine, prompt: str | list[int]) -> str:
+    """What ``echo`` repeats: the prompt as text (token ids decoded)."""
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = async_engine.engine.tokenizer
+    if tokenizer is None:
+        raise ApiError(400, "echo of token ids needs a tokenizer; this model has none", "echo")
+    return tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 def _check_model_and_engine(request: web.Request, model: str) -> AsyncEngine:
@@ -202,21 +286,24 @@ async def _generate(
     prompts: Sequence[str | list[int]],
     params_list: Sequence[SamplingParams],
     async_engine: AsyncEngine,
+    ignored: Sequence[str],
+    echoes: Sequence[str] | None = None,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     streams = _submit_all(async_engine, response_id, prompts, params_list)
     tokenizer = async_engine.engine.tokenizer
     is_chat = isinstance(body, ChatCompletionRequest)
-    assemblers = [ChoiceAssembler(tokenizer, is_chat) for _ in params_list]
+    assemblers = [ChoiceAssembler(tokenizer, is_chat, echo) for echo in echoes or [""] * len(params_list)]
     created = int(time.time())
     model = request.app[SERVER_CONFIG].served_model_name
     try:
         if body.stream:
-            return await _stream(request, body, response_id, created, model, streams, assemblers)
+            return await _stream(request, body, response_id, created, model, streams, assemblers, ignored)
         async for index, output in _merge(streams):
             assemblers[index].push(output)
         return web.json_response(
-            final_response(body, response_id, created, model, assemblers).model_dump(exclude_none=False)
+            final_response(body, response_id, created, model, assemblers).model_dump(exclude_none=False),
+            headers=_ignored_header(ignored),
         )
     except EngineFailure as failure:  # non-streaming: nothing sent yet, so a plain error response
         raise ApiError(500, str(failure), error_type="server_error") from None
@@ -292,12 +379,14 @@ async def _stream(
     model: str,
     streams: Sequence[RequestStream],
     assemblers: Sequence[ChoiceAssembler],
+    ignored: Sequence[str],
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Request-Id": ",".join(s.request_id for s in streams),
+            **_ignored_header(ignored),
         }
     )
     await response.prepare(request)
@@ -327,18 +416,39 @@ async def _send_chunks(
     streams: Sequence[RequestStream],
     assemblers: Sequence[ChoiceAssembler],
 ) -> None:
-    """One chunk per engine output (so one per token), the finish reason in the last; then usage if asked."""
+    """Each choice's role (chat) or echoed prompt (completions) first, then one chunk per engine output (so one per
+    token), the finish reason in the last; then usage if asked (in every chunk with continuous_usage_stats)."""
     is_chat = isinstance(body, ChatCompletionRequest)
     include_usage = body.include_usage
-    if is_chat:
-        await send(role_chunk(response_id, created, model, include_usage))
+
+    def usage() -> Usage | None:
+        return usage_of(assemblers) if body.continuous_usage else None
+
+    for index, assembler in enumerate(assemblers):
+        if is_chat:
+            await send(role_chunk(response_id, created, model, index, include_usage, usage()))
+        elif assembler.text:
+            await send(
+                token_chunk(
+                    response_id, False, created, model, index, assembler.text, None, None, include_usage, usage()
+                )
+            )
     async for index, output in _merge(streams):
         assembler = assemblers[index]
         delta, logprobs = assembler.push(output)
         formatted = assembler.format_logprobs(logprobs) if logprobs else None
         await send(
             token_chunk(
-                response_id, is_chat, created, model, index, delta, formatted, output.finish_reason, include_usage
+                response_id,
+                is_chat,
+                created,
+                model,
+                index,
+                delta,
+                formatted,
+                output.finish_reason,
+                include_usage,
+                usage(),
             )
         )
     if include_usage:

@@ -30,10 +30,10 @@ from engine.serving.protocol import (
 class ChoiceAssembler:
     """One choice: its text, its logprobs, its finish reason and token counts."""
 
-    def __init__(self, tokenizer: TextTokenizer | None, chat: bool) -> None:
+    def __init__(self, tokenizer: TextTokenizer | None, chat: bool, echo: str = "") -> None:
         self.tokenizer = tokenizer  # names the tokens of logprobs; the engine decodes the text
         self.chat = chat  # which OpenAI shape its logprobs take
-        self.text = ""
+        self.text = echo  # a completion with echo starts with its prompt
         self.logprobs: list[TokenLogprobs] | None = None  # every token's, once the request's outputs carry them
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
@@ -95,10 +95,12 @@ def usage_of(choices: Sequence[ChoiceAssembler]) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def role_chunk(response_id: str, created: int, model: str, include_usage: bool) -> dict[str, Any]:
-    """A chat stream's first chunk: the assistant's role, no text yet."""
-    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return _chunk(response_id, True, created, model, choice, include_usage)
+def role_chunk(
+    response_id: str, created: int, model: str, index: int, include_usage: bool, usage: Usage | None = None
+) -> dict[str, Any]:
+    """A chat choice's first chunk: the assistant's role, no text yet."""
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return _chunk(response_id, True, created, model, choice, include_usage, usage)
 
 
 def token_chunk(
@@ -111,12 +113,14 @@ def token_chunk(
     logprobs: CompletionLogprobs | ChatLogprobs | None,
     finish_reason: str | None,
     include_usage: bool,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
-    """One choice's new text (a chat delta or completion text), its logprobs and, in the last, the finish reason."""
+    """One choice's new text (a chat delta or completion text), its logprobs and, in the last, the finish reason;
+    ``usage``: the usage so far (continuous_usage_stats)."""
     choice: dict[str, Any] = {"index": index, **({"delta": {"content": text}} if is_chat else {"text": text})}
     choice["logprobs"] = logprobs.model_dump() if logprobs else None
     choice["finish_reason"] = finish_reason
-    return _chunk(response_id, is_chat, created, model, choice, include_usage)
+    return _chunk(response_id, is_chat, created, model, choice, include_usage, usage)
 
 
 def usage_chunk(
@@ -129,13 +133,20 @@ def usage_chunk(
 
 
 def _chunk(
-    response_id: str, is_chat: bool, created: int, model: str, choice: dict[str, Any] | None, include_usage: bool
+    response_id: str,
+    is_chat: bool,
+    created: int,
+    model: str,
+    choice: dict[str, Any] | None,
+    include_usage: bool,
+    usage: Usage | None = None,
 ) -> dict[str, Any]:
     object_name = "chat.completion.chunk" if is_chat else "text_completion"
     choices = [choice] if choice is not None else []
     chunk = {"id": response_id, "object": object_name, "created": created, "model": model, "choices": choices}
     if include_usage:
-        chunk["usage"] = None  # only the last chunk carries usage
+        # The last chunk carries the total; others null, or the usage so far with continuous_usage_stats.
+        chunk["usage"] = None if usage is None else usage.model_dump()
     return chunk
 
 

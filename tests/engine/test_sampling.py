@@ -82,3 +82,44 @@ def test_logprobs_of_chosen_and_top_tokens_come_from_log_softmax():
 def test_logprobs_out_of_range_is_rejected(logprobs):
     with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
         SamplingParams(logprobs=logprobs)
+
+
+def test_penalties_follow_openai_and_vllm_arithmetic():
+    logits = torch.tensor([[4.0, 3.0, -1.0, 2.5, 0.0]])
+    greedy = SamplingParams(temperature=0.0)
+    # Output so far: token 0 twice. Frequency 0.8 takes 1.6 off token 0 (4.0 -> 2.4 < 3.0): token 1 wins.
+    assert sample(logits, [SamplingParams(temperature=0.0, frequency_penalty=0.8)], [None], None, [((), [0, 0])]) == [1]
+    # Presence 0.8 takes 0.8 once (4.0 -> 3.2 > 3.0): token 0 still wins; 1.2 makes it 2.8.
+    assert sample(logits, [SamplingParams(temperature=0.0, presence_penalty=0.8)], [None], None, [((), [0, 0])]) == [0]
+    assert sample(logits, [SamplingParams(temperature=0.0, presence_penalty=1.2)], [None], None, [((), [0, 0])]) == [1]
+    # Repetition 2 over prompt token 0 and output token 1: 4.0 -> 2.0, 3.0 -> 1.5; token 3 (2.5) wins.
+    repetition = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert sample(logits, [repetition], [None], None, [([0], [1])]) == [3]
+    # A negative logit is multiplied, so it goes down too: token 0 (-0.5 -> -1.0) falls below token 1 (-0.8).
+    assert sample(torch.tensor([[-0.5, -0.8, -3.0]]), [repetition], [None], None, [([0], [])]) == [1]
+    assert sample(logits, [greedy], [None]) == [0]
+
+
+def test_logit_bias_and_min_p():
+    logits = torch.tensor([[4.0, 3.0, -1.0, 2.5, 0.0]])
+    assert sample(logits, [SamplingParams(temperature=0.0, logit_bias=((2, 100.0),))], [None]) == [2]
+    assert sample(logits, [SamplingParams(temperature=0.0, logit_bias=((0, -100.0),))], [None]) == [1]
+    # min_p 0.5 at temperature 1: only tokens at least half as likely as token 0 remain (token 1: e^-1 = 0.37, out).
+    draws = {
+        sample(
+            logits,
+            [params := SamplingParams(temperature=1.0, min_p=0.5, seed=s)],
+            [make_generator(params, torch.device("cpu"))],
+        )[0]
+        for s in range(30)
+    }
+    assert draws == {0}
+    loose = {
+        sample(
+            logits,
+            [params := SamplingParams(temperature=1.0, min_p=0.3, seed=s)],
+            [make_generator(params, torch.device("cpu"))],
+        )[0]
+        for s in range(30)
+    }
+    assert loose == {0, 1}

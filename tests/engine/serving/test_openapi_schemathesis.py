@@ -23,7 +23,7 @@ MAX_MODEL_LEN = 48
 @pytest.fixture(scope="module")
 def server(real_model, real_tokenizer):
     engine = make_engine(real_model, real_tokenizer, num_blocks=64, max_model_len=MAX_MODEL_LEN)
-    with running_server(engine, admin_token=None) as running:
+    with running_server(engine, admin_token=None, strict_api=True) as running:
         yield running
 
 

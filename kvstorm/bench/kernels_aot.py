@@ -1,0 +1,24 @@
+"""``kvstorm bench kernels-aot``: every Triton kernel compiled for sm_80 and sm_90 here, without a GPU, with its
+registers, spills, shared memory and occupancy (``kernels.aot``), recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kernels.aot import check, matrix, summary, table
+from kvstorm.bench.doc import BenchReport
+
+
+def add_bench_kernels_aot_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "kernels-aot", help="compile every Triton kernel for A100 and H100 without a GPU; registers, spills, occupancy"
+    )
+    parser.add_argument("--quick", action="store_true", help="only the largest configuration of each kernel")
+
+
+def run_bench_kernels_aot(args: argparse.Namespace) -> BenchReport:
+    started = time.perf_counter()
+    results = check(matrix(args.quick))
+    failures = [f"{r.kernel} {r.config} {r.target.name}: {'; '.join(r.problems)}" for r in results if r.problems]
+    return BenchReport(f"{summary(results, time.perf_counter() - started)}\n\n{table(results)}", failures=failures)
