@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
@@ -44,8 +45,6 @@ from kernels.triton_paged_attention import (
     paged_prefill_attention,
     reshape_and_cache,
 )
-
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
 @dataclass(frozen=True)
@@ -225,7 +224,8 @@ def compile_launch(launch: Launch, config: Config, target: Target) -> Result:
         compiled = triton.compile(source, target=target.triton, options=options)
         registers, spills = ptxas_usage(compiled.asm["ptx"], compiled.metadata.name, target)
     except Exception as error:  # a compile error is this check's finding, reported with the rest
-        message = " ".join(str(error).split())[:300]
+        # Triton's message quotes the kernel's source first; its last line says what is wrong.
+        message = [line for line in str(error).splitlines() if line.strip()][-1].strip()[:300]
         return Result(name, launch.what, str(config), target, 0, 0, 0, options.get("num_warps", 4), 0.0, message)
     elapsed = time.perf_counter() - started
     return Result(
@@ -235,15 +235,21 @@ def compile_launch(launch: Launch, config: Config, target: Target) -> Result:
 
 
 def ptxas_usage(ptx: str, kernel_name: str, target: Target) -> tuple[int, int]:
-    """Registers per thread and spill bytes (stores + loads) of one kernel, from ``ptxas -v``."""
-    arch = f"sm_{target.capability}a" if target.capability >= 90 else f"sm_{target.capability}"
+    """Registers per thread and spill bytes (stores + loads) of one kernel, from ``ptxas -v``: the ptxas Triton
+    bundles and picks for the target, with the options it builds the cubin with."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.ptx"
         path.write_text(ptx)
-        result = subprocess.run(
-            [str(PTXAS), f"-arch={arch}", "-v", str(path), "-o", str(Path(folder) / "kernel.cubin")],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+        command = [
+            get_ptxas(target.capability).path,
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(target.capability)}",
+            str(path),
+            "-o",
+            f"{path}.cubin",
+        ]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)  # fmt: skip
     if result.returncode != 0:
         raise RuntimeError(f"ptxas: {result.stderr.strip()}")
     info = result.stderr[result.stderr.index(f"'{kernel_name}'") :]
@@ -278,6 +284,28 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def grouped_table(results: list[Result]) -> str:
+    """One row per kernel, launch and target over every configuration: the ranges, and how many failed."""
+    groups: dict[tuple[str, str, str], list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.kernel, r.what, r.target.name), []).append(r)
+    lines = [
+        "| kernel | launch | target | configurations | registers | max spills (B) | max shared (KiB) | warps | "
+        "occupancy | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (kernel, what, target), group in groups.items():
+        registers = sorted(r.registers for r in group)
+        occupancy = sorted(r.occupancy for r in group)
+        warps = "/".join(str(w) for w in sorted({r.num_warps for r in group}))
+        lines.append(
+            f"| {kernel} | {what} | {target} | {len(group)} | {registers[0]}-{registers[-1]} | "
+            f"{max(r.spill_bytes for r in group)} | {max(r.shared_bytes for r in group) / 1024:.1f} | {warps} | "
+            f"{occupancy[0]:.0%}-{occupancy[-1]:.0%} | {sum(bool(r.problems) for r in group)} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the largest configuration of each kernel")
@@ -294,7 +322,7 @@ def summary(results: list[Result], elapsed_s: float) -> str:
     kernels = len({r.kernel for r in results})
     return (
         f"{len(results)} compiles of {kernels} kernels for {', '.join(t.name for t in TARGETS)} in {elapsed_s:.0f} s "
-        f"(triton {triton.__version__}, its bundled ptxas): {failed} failed"
+        f"(triton {triton.__version__} and the ptxas it bundles): {failed} failed"
     )
 
 

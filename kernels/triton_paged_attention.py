@@ -17,9 +17,15 @@ import triton.language as tl
 # Decode contexts are split into partitions of this many tokens, attended in parallel and merged, so a small
 # batch of long sequences still spreads over the whole GPU.
 DECODE_PARTITION_SIZE = 512
-DECODE_BLOCK_N = 64
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 64
+# Tiles and warps that compile without a register spill for sm_80 and sm_90 at every configuration the engine
+# launches (``kvstorm bench kernels-aot``): 64-token tiles with 4 warps spilled up to 7 KB per thread in decode
+# and 100 KB in float32 prefill. Decode: (BLOCK_N, num_warps) by cache dtype; float32's IEEE dot needs smaller
+# tiles.
+DECODE_TILES = {torch.float32: (16, 4)}
+DECODE_TILES_16BIT = (32, 8)
+PREFILL_BLOCK_M = 32
+PREFILL_BLOCK_N = 32
+PREFILL_NUM_WARPS = 8
 
 
 @triton.jit
@@ -237,6 +243,11 @@ def _paged_decode_reduce_kernel(
     tl.store(out_ptr + seq * stride_out_seq + head * stride_out_head + dims, out.to(out_ptr.dtype.element_ty))
 
 
+def decode_tiles(cache_dtype: torch.dtype) -> tuple[int, int]:
+    """The decode kernel's (BLOCK_N, num_warps) for a cache dtype."""
+    return DECODE_TILES.get(cache_dtype, DECODE_TILES_16BIT)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -245,8 +256,8 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     partition_size: int = DECODE_PARTITION_SIZE,
-    block_n: int = DECODE_BLOCK_N,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_decode_attention_reference`` (into ``out`` when given).
@@ -257,6 +268,8 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = q.shape
     _check_cache_pair(k_cache, v_cache)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    default_block_n, default_warps = decode_tiles(k_cache.dtype)
+    block_n, num_warps = block_n or default_block_n, num_warps or default_warps
     if partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     out = torch.empty_like(q) if out is None else out
@@ -393,7 +406,7 @@ def paged_prefill_attention(
     max_query_len: int,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
-    num_warps: int = 4,
+    num_warps: int = PREFILL_NUM_WARPS,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention_reference`` (``query_start_loc`` and ``seq_lens`` on q's device),

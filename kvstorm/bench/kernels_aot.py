@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kernels.aot import check, matrix, summary, table
+from kernels.aot import BLOCK_SIZES, DTYPES, GROUPS, HEAD_DIMS, check, grouped_table, matrix, summary
 from kvstorm.bench.doc import BenchReport
 
 
@@ -21,4 +21,12 @@ def run_bench_kernels_aot(args: argparse.Namespace) -> BenchReport:
     started = time.perf_counter()
     results = check(matrix(args.quick))
     failures = [f"{r.kernel} {r.config} {r.target.name}: {'; '.join(r.problems)}" for r in results if r.problems]
-    return BenchReport(f"{summary(results, time.perf_counter() - started)}\n\n{table(results)}", failures=failures)
+    scope = (
+        f"Configurations: dtypes {', '.join(DTYPES)}, head_dim {', '.join(map(str, HEAD_DIMS))}, block sizes "
+        f"{', '.join(map(str, BLOCK_SIZES))}, {', '.join(map(str, GROUPS))} query heads per KV head; decode over 256 "
+        "tokens (one partition) and 2048 (split, with the merge kernel), prefill of 128 tokens, a swap's block copy. "
+        "Occupancy is theoretical (registers, shared memory, warps and blocks per SM). Every configuration's row: "
+        "`python -m kernels.aot`."
+    )
+    markdown = f"{summary(results, time.perf_counter() - started)}\n\n{scope}\n\n{grouped_table(results)}"
+    return BenchReport(markdown, failures=failures)
