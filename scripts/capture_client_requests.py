@@ -55,24 +55,20 @@ CLIENTS = {
         [
             "-m",
             "guidellm",
-            "benchmark",
             "run",
-            "--target",
-            "{base}",
-            "--model",
-            MODEL,
-            "--backend-type",
-            "openai_http",
-            "--rate-type",
-            "synchronous",
-            "--max-requests",
-            "2",
+            "--backend",
+            "kind=openai_http,target={base},model={model}",
+            "--profile",
+            "kind=synchronous",
+            "--constraint",
+            "kind=max_requests,count=2",
             "--data",
-            "prompt_tokens=32,output_tokens=4",
-            "--processor",
-            "{processor}",
-            "--output-path",
-            "{out}",
+            "kind=synthetic_text,prompt_tokens=32,output_tokens=4",
+            "--tokenizer",
+            "kind=hf_auto,model={processor}",
+            "--output",
+            "kind=json,path={out}/guidellm.json",
+            "--disable-console-interactive",
         ],
     ),
     "aiperf": (
@@ -84,7 +80,7 @@ CLIENTS = {
             "--url",
             "{base}",
             "--model",
-            MODEL,
+            "{model}",
             "--endpoint-type",
             "chat",
             "--streaming",
@@ -157,6 +153,7 @@ async def capture(python: str, args: list[str]) -> list[tuple[str, dict]]:
     app.router.add_post("/v1/completions", recorder.handle)
     app.router.add_post("/v1/chat/completions", recorder.handle)
     app.router.add_get("/v1/models", recorder.models)
+    app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))  # GuideLLM checks it first
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
