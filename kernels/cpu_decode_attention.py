@@ -26,12 +26,13 @@ def paged_decode_attention_cpu(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Same contract as ``paged_decode_attention_reference``; float32 CPU tensors only."""
-    out = torch.empty_like(q)
+    """Same contract as ``paged_decode_attention_reference``; CPU tensors, a float32 or bfloat16 cache. Scores and
+    sums are float32 whatever the cache holds (q is widened, the result narrowed to q's dtype)."""
+    out = torch.empty(q.shape, dtype=torch.float32)
     compiled_kernels().paged_decode_attention(
-        out, q.contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale
+        out, q.float().contiguous(), k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale
     )
-    return out
+    return out.to(q.dtype)
 
 
 @functools.cache

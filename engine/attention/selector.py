@@ -11,11 +11,12 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from kernels.cpu_decode_attention import cpu_kernels_available, paged_decode_attention_cpu
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """``torch``: pure PyTorch (the reference). ``cpu``: torch prefill + the compiled paged decode kernel
-    (float32 on CPU). ``triton``: the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
+    (float32 or bfloat16 on CPU). ``triton``: the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
     ``auto``: ``triton`` on CUDA; on the CPU ``cpu`` where it applies and builds, else ``torch``."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
@@ -26,9 +27,9 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) 
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    cpu_applies = device.type == "cpu" and dtype == torch.float32
+    cpu_applies = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES
     if name == "cpu" and not cpu_applies:
-        raise ValueError(f"the cpu attention backend needs float32 on the CPU, not {dtype} on {device}")
+        raise ValueError(f"the cpu attention backend needs float32 or bfloat16 on the CPU, not {dtype} on {device}")
     if name == "cpu" or (name == "auto" and cpu_applies and cpu_kernels_available()):
         return TorchAttentionBackend(decode_kernel=paged_decode_attention_cpu)
     return TorchAttentionBackend()

@@ -19,6 +19,7 @@ from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
 
 TEXT = (
     "The history of computing is a story of memory. Early machines stored a few thousand words in "
@@ -33,6 +34,8 @@ NUM_REQUESTS = 32
 BLOCK_SIZE = 16
 NUM_SMALL_POOL_BLOCKS = 20
 MARGIN = 1e-4
+# bfloat16 keeps 8 significant bits: logits of 10-20 are resolved to 0.06-0.12 (divergences seen up to 0.13).
+BFLOAT16_MARGIN = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def test_steps_that_run_out_of_memory_diverge_only_at_near_ties(real_model, real
     assert_divergence_only_at_near_ties(real_model, completions, reference)
 
 
-def assert_divergence_only_at_near_ties(real_model, completions, reference) -> None:
+def assert_divergence_only_at_near_ties(real_model, completions, reference, margin_limit: float = MARGIN) -> None:
     runner = ModelRunner(real_model, num_device_blocks=16, num_host_blocks=0, block_size=BLOCK_SIZE)
     for ours, expected in zip(completions, reference, strict=True):
         if ours.token_ids == expected.token_ids:
@@ -111,4 +114,17 @@ def assert_divergence_only_at_near_ties(real_model, completions, reference) -> N
         top2 = logits.topk(2).values
         margin = float(top2[0] - top2[1])
         print(f"{ours.request_id}: diverged at output position {position}, top-2 margin {margin:.2e}")
-        assert margin < MARGIN, f"{ours.request_id} diverged at {position} with a clear margin {margin:.2e}"
+        assert margin < margin_limit, f"{ours.request_id} diverged at {position} with a clear margin {margin:.2e}"
+
+
+def test_bfloat16_with_the_compiled_kernel_follows_float32_but_at_near_ties(real_model, workload, reference):
+    # Preemption aside (a swap in bfloat16 is not bit-identical yet: the matmuls round differently at another batch
+    # size, with the torch attention as with this kernel), bfloat16 greedy decoding may leave float32's tokens only
+    # where float32's own top-2 margin is within bfloat16's resolution.
+    llm = LLM("smollm2-135m", dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
+              max_num_batched_tokens=256, kv_cache_memory=64 << 20, debug_invariants=True)  # fmt: skip
+    assert llm.engine.runner.model.backend.decode_kernel is paged_decode_attention_cpu
+    completions = llm.generate(*workload)
+    same = sum(ours.token_ids == expected.token_ids for ours, expected in zip(completions, reference, strict=True))
+    print(f"{same} of {len(reference)} bfloat16 completions equal float32's")
+    assert_divergence_only_at_near_ties(real_model, completions, reference, BFLOAT16_MARGIN)

@@ -55,3 +55,17 @@ def test_cpu_kernel_reads_the_cache_in_place_from_a_layer_view():
     assert torch.allclose(
         out, paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale), atol=1e-5
     )
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(9, 3, 16), (32, 8, 16), (4, 4, 1)])
+def test_bfloat16_cache_matches_float64_on_the_same_bfloat16_values(num_heads, num_kv_heads, block_size):
+    q, k_cache, v_cache, block_tables, seq_lens, scale = make_case(5, 5, num_heads, num_kv_heads, block_size, 90)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    out = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    assert out.dtype == torch.bfloat16
+    # The kernel widens bfloat16 exactly and accumulates in float32: only the output's rounding to bfloat16 differs
+    # from float64 on the same values.
+    expected = dense_float64_decode(q.double(), k_cache.double(), v_cache.double(), block_tables, seq_lens, scale)
+    assert torch.allclose(out.double(), expected, rtol=2**-7, atol=2**-7), (out.double() - expected).abs().max()
+    reference = paged_decode_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    assert (out.float() - reference.float()).abs().max() <= 2**-6
