@@ -104,22 +104,14 @@ def test_logit_bias_and_min_p():
     logits = torch.tensor([[4.0, 3.0, -1.0, 2.5, 0.0]])
     assert sample(logits, [SamplingParams(temperature=0.0, logit_bias=((2, 100.0),))], [None]) == [2]
     assert sample(logits, [SamplingParams(temperature=0.0, logit_bias=((0, -100.0),))], [None]) == [1]
-    # min_p 0.5 at temperature 1: only tokens at least half as likely as token 0 remain (token 1: e^-1 = 0.37, out).
-    draws = {
-        sample(
-            logits,
-            [params := SamplingParams(temperature=1.0, min_p=0.5, seed=s)],
-            [make_generator(params, torch.device("cpu"))],
-        )[0]
-        for s in range(30)
-    }
-    assert draws == {0}
-    loose = {
-        sample(
-            logits,
-            [params := SamplingParams(temperature=1.0, min_p=0.3, seed=s)],
-            [make_generator(params, torch.device("cpu"))],
-        )[0]
-        for s in range(30)
-    }
-    assert loose == {0, 1}
+    # min_p at temperature 1: only tokens at least min_p times as likely as token 0 remain (token 1: e^-1 = 0.37).
+    assert tokens_drawn(logits, min_p=0.5) == {0}
+    assert tokens_drawn(logits, min_p=0.3) == {0, 1}
+
+
+def tokens_drawn(logits: torch.Tensor, min_p: float, draws: int = 30) -> set[int]:
+    drawn = set()
+    for seed in range(draws):
+        params = SamplingParams(temperature=1.0, min_p=min_p, seed=seed)
+        drawn.add(sample(logits, [params], [make_generator(params, torch.device("cpu"))])[0])
+    return drawn
