@@ -124,7 +124,7 @@ class ScriptedServer:
             request_id=request.headers.get("X-Request-Id", ""),
             fault=fault,
             received_ts=received_ts,
-            num_tokens=int(body.get("max_tokens", 16)),
+            num_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens") or 16),
             ttft_s=(self.script.ttft_ms + order * self.script.slowdown_ms) / 1e3,
             gap_s=self.script.gap_ms / 1e3,
             stall_before_token=stall_before,

@@ -173,8 +173,10 @@ async def _read_body(request: web.Request, model: type[BaseModel]) -> tuple[Base
             unknown = [e["loc"] for e in error.errors() if e["type"] == "extra_forbidden"]
             if request.app[SERVER_CONFIG].strict_api or not unknown:
                 raise api_error_from_validation(error) from None
-            for loc in unknown:
-                ignored.append(_drop(data, loc))
+            try:
+                ignored.extend(_drop(data, loc) for loc in unknown)
+            except (KeyError, IndexError, TypeError):  # a location inside a union's branch: refuse rather than guess
+                raise api_error_from_validation(error) from None
         except RecursionError:
             raise ApiError(400, "request body is nested too deeply") from None
 
