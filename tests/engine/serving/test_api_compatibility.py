@@ -163,3 +163,12 @@ def test_recorded_client_requests_succeed(server, client):
         finish_reasons = [choice["finish_reason"] for choice in response.json()["choices"]]
     assert finish_reasons[-1] in ("stop", "length")
     assert IGNORED_FIELDS_HEADER not in response.headers, "every field these clients send is known"
+
+
+def test_stop_token_ids_end_the_output(server, real_tokenizer):
+    plain = text(complete(server))
+    token = real_tokenizer.encode(plain)[1]  # a token of the greedy output (re-encoding may merge the first)
+    stopped = complete(server, stop_token_ids=[token])
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert plain.startswith(text(stopped))
+    assert len(text(stopped)) < len(plain)
