@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,8 @@ NUM_KV_HEADS = 8
 SHORT_CONTEXT = 256  # one decode partition
 LONG_CONTEXT = 2048  # DECODE_PARTITION_SIZE splits it: the split-K path and its merge kernel
 PREFILL_TOKENS = 128
+# Block tables, lengths, slots and offsets: int64, as engine/attention/backend.py builds them.
+INDEX = torch.int64
 
 
 @dataclass(frozen=True)
@@ -187,25 +190,25 @@ def launches(config: Config) -> list[Launch]:
     kv = torch.zeros(PREFILL_TOKENS, NUM_KV_HEADS, config.head_dim, dtype=dtype)
     recorded: list[Launch] = []
     with recorded_launches("reshape_and_cache") as calls:
-        reshape_and_cache(kv, kv, cache, cache, torch.zeros(PREFILL_TOKENS, dtype=torch.int64))
+        reshape_and_cache(kv, kv, cache, cache, torch.zeros(PREFILL_TOKENS, dtype=INDEX))
     recorded += calls
     for context in (SHORT_CONTEXT, LONG_CONTEXT):
         q = torch.zeros(4, num_heads, config.head_dim, dtype=dtype)
-        table = torch.zeros(4, context // config.block_size, dtype=torch.int32)
+        table = torch.zeros(4, context // config.block_size, dtype=INDEX)
         path = "one partition" if context <= DECODE_PARTITION_SIZE else "split"
         with recorded_launches(f"paged_decode_attention ({path})") as calls:
-            paged_decode_attention(q, cache, cache, table, torch.full((4,), context, dtype=torch.int32), 0.1)
+            paged_decode_attention(q, cache, cache, table, torch.full((4,), context, dtype=INDEX), 0.1)
         recorded += calls
     q = torch.zeros(PREFILL_TOKENS, num_heads, config.head_dim, dtype=dtype)
-    table = torch.zeros(1, LONG_CONTEXT // config.block_size, dtype=torch.int32)
-    starts = torch.tensor([0, PREFILL_TOKENS], dtype=torch.int32)
+    table = torch.zeros(1, LONG_CONTEXT // config.block_size, dtype=INDEX)
+    starts = torch.tensor([0, PREFILL_TOKENS], dtype=INDEX)
     with recorded_launches("paged_prefill_attention") as calls:
-        lens = torch.tensor([PREFILL_TOKENS], dtype=torch.int32)
+        lens = torch.tensor([PREFILL_TOKENS], dtype=INDEX)
         paged_prefill_attention(q, cache, cache, table, starts, lens, 0.1, PREFILL_TOKENS)
     recorded += calls
     layers = torch.zeros(2, 2, 4, config.block_size, NUM_KV_HEADS, config.head_dim, dtype=dtype)
     with recorded_launches("copy_blocks") as calls:
-        copy_blocks(layers, layers.clone(), torch.tensor([[0, 1]], dtype=torch.int64))
+        copy_blocks(layers, layers.clone(), torch.tensor([[0, 1]], dtype=INDEX))
     recorded += calls
     return recorded
 
@@ -259,14 +262,15 @@ def ptxas_usage(ptx: str, kernel_name: str, target: Target) -> tuple[int, int]:
 
 
 def check(configs: list[Config]) -> list[Result]:
+    """Every launch of ``configs`` for every target, a configuration per worker process (one per core)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 makes every kernel an interpreted one: unset it to compile them")
-    results = []
-    for config in configs:
-        for launch in launches(config):
-            for target in TARGETS:
-                results.append(compile_launch(launch, config, target))
-    return results
+    with ProcessPoolExecutor(max_workers=os.cpu_count()) as pool:
+        return [result for results in pool.map(_check_config, configs) for result in results]
+
+
+def _check_config(config: Config) -> list[Result]:
+    return [compile_launch(launch, config, target) for launch in launches(config) for target in TARGETS]
 
 
 def table(results: list[Result]) -> str:

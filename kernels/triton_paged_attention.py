@@ -19,12 +19,13 @@ import triton.language as tl
 DECODE_PARTITION_SIZE = 512
 # Tiles and warps that compile without a register spill for sm_80 and sm_90 at every configuration the engine
 # launches (``kvstorm bench kernels-aot``): 64-token tiles with 4 warps spilled up to 7 KB per thread in decode
-# and 100 KB in float32 prefill. Decode: (BLOCK_N, num_warps) by cache dtype; float32's IEEE dot needs smaller
+# and 100 KB in float32 prefill, and a 32x32 prefill tile with 8 warps still 16-24 bytes at head_dim 64 (ptxas
+# then aims at 128 registers). Decode: (BLOCK_N, num_warps) by cache dtype; float32's IEEE dot needs smaller
 # tiles.
 DECODE_TILES = {torch.float32: (16, 4)}
 DECODE_TILES_16BIT = (32, 8)
-PREFILL_BLOCK_M = 32
-PREFILL_BLOCK_N = 32
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 16
 PREFILL_NUM_WARPS = 8
 
 

@@ -22,9 +22,10 @@ def run_bench_kernels_aot(args: argparse.Namespace) -> BenchReport:
     results = check(matrix(args.quick))
     failures = [f"{r.kernel} {r.config} {r.target.name}: {'; '.join(r.problems)}" for r in results if r.problems]
     scope = (
-        f"Configurations: dtypes {', '.join(DTYPES)}, head_dim {', '.join(map(str, HEAD_DIMS))}, block sizes "
-        f"{', '.join(map(str, BLOCK_SIZES))}, {', '.join(map(str, GROUPS))} query heads per KV head; decode over 256 "
-        "tokens (one partition) and 2048 (split, with the merge kernel), prefill of 128 tokens, a swap's block copy. "
+        f"Configurations: dtypes {', '.join(DTYPES)}; head_dim {' and '.join(map(str, HEAD_DIMS))}; block sizes "
+        f"{' and '.join(map(str, BLOCK_SIZES))}; {', '.join(map(str, GROUPS))} query heads per KV head; int64 block "
+        "tables and lengths as the engine builds them; decode over 256 tokens (one partition) and 2048 (split, with "
+        "the merge kernel), prefill of 128 tokens, a swap's block copy. "
         "Occupancy is theoretical (registers, shared memory, warps and blocks per SM). Every configuration's row: "
         "`python -m kernels.aot`."
     )

@@ -1,6 +1,6 @@
 """The Triton kernels compiled for sm_80 and sm_90 without a GPU (``kernels.aot``): every launch of the engine's
-matrix compiles with no spill and within shared memory (about 100 s: the one spill it found sat in a small
-configuration), the launches are the launchers' own, and a kernel the interpreter accepts but a GPU compile
+matrix compiles with no spill and within shared memory (about a minute on 2 cores: spills it found sat in
+small configurations), the launches are the launchers' own, and a kernel the interpreter accepts but a GPU compile
 rejects is caught."""
 
 from __future__ import annotations
