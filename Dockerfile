@@ -15,8 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 \
-    TORCH_EXTENSIONS_DIR=/home/kvstorm/.cache/torch_extensions
+    HF_HUB_OFFLINE=1
 
 # TORCH_SPEC pins the version; hadolint cannot see through the build argument.
 # hadolint ignore=DL3013

@@ -5,10 +5,10 @@
 - against the scripted server (``loadgen.scripted_server``: first token 150 ms after a request arrives, then one
   every 20 ms), where the truth is known, so each client's error is its own.
 
-    python3 -m venv /tmp/venv-aiperf && /tmp/venv-aiperf/bin/pip install aiperf
-    python3 -m venv /tmp/venv-guidellm && /tmp/venv-guidellm/bin/pip install guidellm
-    .venv/bin/python scripts/bench_peer_clients.py --aiperf /tmp/venv-aiperf/bin/aiperf \\
-        --guidellm /tmp/venv-guidellm/bin/guidellm            # records the table in docs/benchmarks.md
+    python3 -m venv ~/venvs/aiperf && ~/venvs/aiperf/bin/pip install aiperf
+    python3 -m venv ~/venvs/guidellm && ~/venvs/guidellm/bin/pip install guidellm
+    .venv/bin/python scripts/bench_peer_clients.py --aiperf ~/venvs/aiperf/bin/aiperf \\
+        --guidellm ~/venvs/guidellm/bin/guidellm            # records the table in docs/benchmarks.md
 
 Workload: chat completions, streaming, ignore_eos, ~128-token prompts of each client's own synthetic text,
 exactly 32 output tokens, 2 requests in flight (closed loop), 24 requests per client, greedy.

@@ -6,9 +6,9 @@ others in their own virtual environments) is pointed at it. The bodies go to
 ``tests/engine/serving/recorded_client_requests.json`` (merged by client name) with the client's version.
 
     .venv/bin/python scripts/capture_client_requests.py openai
-    .venv/bin/python scripts/capture_client_requests.py langchain --python /tmp/langchain-venv/bin/python
-    .venv/bin/python scripts/capture_client_requests.py guidellm --python /tmp/guidellm-venv/bin/python
-    .venv/bin/python scripts/capture_client_requests.py aiperf --python /tmp/aiperf-venv/bin/python
+    .venv/bin/python scripts/capture_client_requests.py langchain --python ~/venvs/langchain/bin/python
+    .venv/bin/python scripts/capture_client_requests.py guidellm --python ~/venvs/guidellm/bin/python
+    .venv/bin/python scripts/capture_client_requests.py aiperf --python ~/venvs/aiperf/bin/python
 """
 
 from __future__ import annotations
