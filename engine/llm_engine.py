@@ -118,7 +118,7 @@ class LLMEngine:
             vocab_size=self.model_config.vocab_size,
             block_size=cache.block_size,
             bytes_per_block=bytes_per_block,
-            attention_backend=type(model.backend).__name__,
+            attention_backend=model.backend.name,
             matmul=self.runner.matmul,
         )
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)

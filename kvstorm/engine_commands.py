@@ -192,6 +192,13 @@ def run_serve(args: argparse.Namespace) -> int:
         max_buffered_outputs=args.max_buffered_outputs,
     )
     engine = LLMEngine(engine_config_from_args(args))
+    info = engine.info
+    print(
+        f"kvstorm serve: {info.model} on {info.device} in {info.dtype}, attention {info.attention_backend}, "
+        f"matmuls {info.matmul}, KV blocks of {info.block_size} tokens ({info.bytes_per_block} bytes each)",
+        file=sys.stderr,
+        flush=True,
+    )
     metrics = EngineMetrics(config.served_model_name, args.histogram_buckets)
     app = create_app(AsyncEngine(engine, metrics, limits), config)
     asyncio.run(_serve_until_signalled(app, args.host, args.port))

@@ -144,6 +144,8 @@ class AttentionBackend(Protocol):
     int64 CPU tensor ``block_mapping`` copy block ``a`` of ``src`` to block ``b`` of ``dst``.
     """
 
+    name: str  # the --attention-backend that names it: torch, cpu or triton
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
 
     def forward(

@@ -28,6 +28,8 @@ class TorchAttentionBackend:
 
     def __init__(self, decode_kernel: DecodeKernel = paged_decode_attention_reference) -> None:
         self.decode_kernel = decode_kernel
+        # What --attention-backend names this path: the compiled CPU decode kernel, or the pure-torch reference.
+        self.name = "torch" if decode_kernel is paged_decode_attention_reference else "cpu"
 
     def forward(
         self,

@@ -248,6 +248,7 @@ class AsyncEngine:
         with self._cond:
             pending = [(kind, item if isinstance(item, str) else item.request_id) for kind, item in self._inbox]
         return {
+            "engine": dataclasses.asdict(self.engine.info),
             "paused": self.is_paused,
             "frozen_for_s": self.freeze_remaining_s,
             "num_iterations": self.num_iterations,

@@ -141,4 +141,7 @@ def test_after_all_bad_input_the_server_serves_correctly_and_holds_nothing(serve
     metrics = requests.get(f"{server.url}/metrics").text
     assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="invalid_request") >= 2 * 35
     assert metric_value(metrics, "kvstorm:free_blocks", pool="device") == NUM_BLOCKS
-    assert requests.get(f"{server.url}/admin/stats", headers=server.admin_headers).json()["num_in_flight"] == 0
+    stats = requests.get(f"{server.url}/admin/stats", headers=server.admin_headers).json()
+    assert stats["num_in_flight"] == 0
+    # What runs, named as the flags name it: float32 with the compiled CPU decode kernel.
+    assert (stats["engine"]["dtype"], stats["engine"]["attention_backend"]) == ("float32", "cpu")
