@@ -32,7 +32,7 @@ from engine.core.outputs import (
     TokenLogprobs,
 )
 from engine.core.preemption import PreemptionPolicy
-from engine.core.request import Request, RequestStatus
+from engine.core.request import InvalidRequest, Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop, releasable_text_end
@@ -174,9 +174,15 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        outside = [t for t in (*params.stop_token_ids, *(t for t, _ in params.logit_bias)) if t >= self.info.vocab_size]
-        if outside:
-            raise ValueError(f"token ids {outside} are outside the vocabulary of {self.info.vocab_size} tokens")
+        for param, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
+        ):
+            outside = sorted(t for t in token_ids if t >= self.info.vocab_size)
+            if outside:
+                raise InvalidRequest(
+                    f"token ids {outside} are outside the vocabulary of {self.info.vocab_size} tokens", param
+                )
         request = Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=prompt_ids,

@@ -9,6 +9,14 @@ from dataclasses import dataclass, field
 from engine.core.sampling_params import SamplingParams
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses before it starts; ``param`` names the field at fault (for an API's error)."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

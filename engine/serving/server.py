@@ -24,6 +24,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from engine.core.outputs import RequestOutput
+from engine.core.request import InvalidRequest
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admin import add_admin_routes
 from engine.serving.admission import AdmissionRefused
@@ -208,7 +209,6 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         params = body.sampling_params(default_max_tokens=16)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
-    _check_token_ids(async_engine, params)
     prompts = body.prompts()
     echoes = [_prompt_text(async_engine, prompt) if body.echo else "" for prompt in prompts]
     choices = [(prompt, echo) for prompt, echo in zip(prompts, echoes, strict=True) for _ in range(body.n)]
@@ -236,20 +236,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         params = body.sampling_params(default_max_tokens)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
-    _check_token_ids(async_engine, params)
     params_list = _per_choice(params, 1, body.n)
     return await _generate(request, body, "chatcmpl", [prompt_ids] * body.n, params_list, async_engine, ignored)
-
-
-def _check_token_ids(async_engine: AsyncEngine, params: SamplingParams) -> None:
-    vocab_size = async_engine.engine.info.vocab_size
-    for field, token_ids in (
-        ("logit_bias", [t for t, _ in params.logit_bias]),
-        ("stop_token_ids", params.stop_token_ids),
-    ):
-        outside = sorted(t for t in token_ids if t >= vocab_size)
-        if outside:
-            raise ApiError(400, f"token ids {outside} are outside the vocabulary of {vocab_size} tokens", field)
 
 
 def _per_choice(params: SamplingParams, num_prompts: int, n: int) -> list[SamplingParams]:
@@ -337,7 +325,8 @@ def _submit_all(
                 headers={"Retry-After": str(error.retry_after_s)},
                 reason=error.reason,
             ) from None
-        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), "prompt") from None
+        param = error.param if isinstance(error, InvalidRequest) else "prompt"
+        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), param) from None
     return streams
 
 
