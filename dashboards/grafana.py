@@ -72,27 +72,23 @@ def to_json(board: Board) -> str:
 def _variables() -> list[Template]:
     return [
         Template(name="datasource", label="Prometheus", query="prometheus", type="datasource"),
-        Template(
-            name="model",
-            label="model",
-            query="label_values(vllm:num_requests_running, model_name)",
-            dataSource=DATASOURCE,
-            includeAll=True,
-            multi=True,
-            allValue=".*",
-            default="$__all",
-        ),
-        Template(
-            name="instance",
-            label="instance",
-            query='label_values(vllm:num_requests_running{model_name=~"$model"}, instance)',
-            dataSource=DATASOURCE,
-            includeAll=True,
-            multi=True,
-            allValue=".*",
-            default="$__all",
-        ),
+        _label_variable("model", "label_values(vllm:num_requests_running, model_name)"),
+        _label_variable("instance", 'label_values(vllm:num_requests_running{model_name=~"$model"}, instance)'),
     ]
+
+
+def _label_variable(name: str, query: str) -> Template:
+    """A variable over a label's values, all of them by default."""
+    return Template(
+        name=name,
+        label=name,
+        query=query,
+        dataSource=DATASOURCE,
+        includeAll=True,
+        multi=True,
+        allValue=".*",
+        default="$__all",
+    )
 
 
 def _panel(panel: Panel, position: GridPos):
