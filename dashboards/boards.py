@@ -78,6 +78,52 @@ def engine_board() -> Board:
         ),
         unit="short",
     )
+    predicted_vs_observed = Panel(
+        "Admission: predicted and observed time to first token",
+        tuple(
+            Query(f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))", f"{what} p{p}")
+            for histogram, what in (
+                ("kvstorm:admission_predicted_ttft_seconds", "predicted"),
+                ("vllm:time_to_first_token_seconds", "observed"),
+            )
+            for q, p in ((0.5, 50), (0.99, 99))
+        ),
+        unit="s",
+        description="What admission control predicted for the requests it admitted, against what they got",
+    )
+    ratio = "kvstorm:admission_ttft_prediction_ratio"
+    prediction_accuracy = Panel(
+        "Admission: predictions within 25% of the observed TTFT",
+        (
+            Query(
+                f'(sum(rate({ratio}_bucket{{{SEL}, le="1.25"}}[{RATE}])) - sum(rate({ratio}_bucket{{{SEL}, le="0.75"}}'
+                f"[{RATE}]))) / sum(rate({ratio}_count{{{SEL}}}[{RATE}]))",
+                "within 25%",
+            ),
+        ),
+        unit="percentunit",
+        description="Predicted over observed first-token time between 0.75 and 1.25 (the target: 90%)",
+    )
+    admissions = Panel(
+        "Admitted and refused per second",
+        (
+            Query(f"sum(rate(kvstorm:admitted_requests_total{{{SEL}}}[{RATE}]))", "admitted"),
+            Query(f"sum by (reason) (rate(kvstorm:rejected_requests_total{{{SEL}}}[{RATE}]))", "refused {{reason}}"),
+        ),
+        unit="ops",
+    )
+    margin = Panel(
+        "Admission's learnt correction and limit",
+        (
+            Query(f"max by (quantile) (kvstorm:admission_correction{{{SEL}}})", "observed / model, q{{quantile}}"),
+            Query(f"min(kvstorm:admission_ttft_limit_seconds{{{SEL}}})", "model TTFT limit"),
+        ),
+        unit="short",
+        right_axis=("model TTFT limit",),
+        right_unit="s",
+        description="The feedback loop: how much slower (above 1) or faster than its step model the engine "
+        "delivers first tokens, and the model's TTFT under which a request is admitted (objective / q0.95)",
+    )
     return Board(
         uid="kvstorm-engine",
         title="kvstorm: engine",
@@ -108,6 +154,7 @@ def engine_board() -> Board:
                     heatmap("vllm:inter_token_latency_seconds", "Inter-token latency, heatmap"),
                 ),
             ),
+            ("Admission", (predicted_vs_observed, prediction_accuracy, admissions, margin)),
             (
                 "Outcomes",
                 (

@@ -165,7 +165,9 @@ FINISHED = Counter("vllm:request_success_total")
 ERRORS = Counter("vllm:request_success_total", "finished_reason", ("error",))
 # Refusals for load (admission control, an engine down or stalled), not for bad input.
 REJECTED = Counter(
-    "kvstorm:rejected_requests_total", "reason", ("max_waiting", "max_queue_delay", "engine_unavailable")
+    "kvstorm:rejected_requests_total",
+    "reason",
+    ("ttft_slo", "tpot_slo", "max_waiting", "max_queue_delay", "engine_unavailable"),
 )
 GUARDRAIL_WINDOW = "5m"
 # How long a guardrail must be crossed before its alert fires.

@@ -24,6 +24,7 @@ from engine.core.outputs import (
     EngineInfo,
     EngineSnapshot,
     PreemptionEvent,
+    RemainingWork,
     RequestOutput,
     RequestSnapshot,
     SchedulerOutput,
@@ -284,6 +285,9 @@ class LLMEngine:
             prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
             active_faults=self.faults.active(),
             last_step=self.last_step,
+            running_work=_remaining_work(self.scheduler.running),
+            swapped_work=_remaining_work(self.scheduler.swapped),
+            waiting_work=_remaining_work(self.scheduler.waiting),
             requests=requests,
         )
 
@@ -463,3 +467,14 @@ class LLM:
             )
             for r in requests
         ]
+
+
+def _remaining_work(requests: list[Request]) -> tuple[RemainingWork, ...]:
+    return tuple(
+        RemainingWork(
+            num_tokens=r.num_tokens,
+            num_computed_tokens=r.num_computed_tokens,
+            num_remaining_outputs=r.sampling_params.max_tokens - r.num_output_tokens,
+        )
+        for r in requests
+    )

@@ -11,6 +11,7 @@ import sys
 import time
 
 from kvstorm.bench.doc import update_section
+from kvstorm.bench.goodput import add_bench_goodput_parser, run_bench_goodput
 from kvstorm.bench.kernels_aot import add_bench_kernels_aot_parser, run_bench_kernels_aot
 from kvstorm.bench.offline import add_bench_offline_parser, run_bench_offline
 from kvstorm.bench.preemption_modes import add_bench_preemption_modes_parser, run_bench_preemption_modes
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_subparsers.choices["client-capacity"].set_defaults(
         handler=_bench_handler(run_bench_client_capacity, "client-capacity")
     )
+    add_bench_goodput_parser(bench_subparsers)
+    bench_subparsers.choices["goodput"].set_defaults(handler=_bench_handler(run_bench_goodput, "goodput"))
     add_bench_kernels_aot_parser(bench_subparsers)
     bench_subparsers.choices["kernels-aot"].set_defaults(handler=_bench_handler(run_bench_kernels_aot, "kernels-aot"))
     return parser

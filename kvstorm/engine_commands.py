@@ -18,6 +18,11 @@ from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.server import ServerConfig, create_app, start_server
+from loadgen.spec import parse_duration
+
+# Admission's default TTFT objective: twice the bundled CPU profile's TTFT SLO (5 s), and about as long as
+# a person waits for a first word before giving up; see README ("Admission control").
+DEFAULT_TTFT_SLO_S = 10.0
 
 ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
 
@@ -141,9 +146,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--stall-timeout", type=float, default=30.0, help="/health is 503 after this long in flight without a step"
     )
-    server.add_argument("--max-waiting", type=int, default=None, help="429 when this many requests wait")
     server.add_argument(
-        "--max-queue-delay", type=float, default=None, help="429 when the estimated queue time exceeds this (s)"
+        "--ttft-slo",
+        type=_objective,
+        default=DEFAULT_TTFT_SLO_S,
+        help="admit a request only if its first token is predicted within this (e.g. 5s, 800ms; 'off' admits all; "
+        f"default {DEFAULT_TTFT_SLO_S:g}s, see README)",
+    )
+    server.add_argument(
+        "--tpot-slo",
+        type=_objective,
+        default=None,
+        help="admit a request only if the time per output token is predicted within this (e.g. 200ms; default off)",
+    )
+    server.add_argument("--max-waiting", type=int, default=None, help="hard limit: 429 when this many requests wait")
+    server.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="hard limit: 429 when the predicted time before a request's first step exceeds this (s)",
     )
     server.add_argument(
         "--max-buffered-outputs",
@@ -187,6 +208,8 @@ def run_serve(args: argparse.Namespace) -> int:
         strict_api=args.strict_api,
     )
     limits = AdmissionLimits(
+        ttft_slo_s=args.ttft_slo,
+        tpot_slo_s=args.tpot_slo,
         max_waiting=args.max_waiting,
         max_queue_delay_s=args.max_queue_delay,
         max_buffered_outputs=args.max_buffered_outputs,
@@ -199,6 +222,7 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    print(f"kvstorm serve: admission {_describe_admission(limits)}", file=sys.stderr, flush=True)
     metrics = EngineMetrics(config.served_model_name, args.histogram_buckets)
     app = create_app(AsyncEngine(engine, metrics, limits), config)
     asyncio.run(_serve_until_signalled(app, args.host, args.port))
@@ -216,3 +240,28 @@ async def _serve_until_signalled(app, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def _objective(text: str) -> float | None:
+    """A duration ('5s', '800ms', '2.5'), or 'off' for none."""
+    if text.strip().lower() in ("off", "none", "0"):
+        return None
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _describe_admission(limits: AdmissionLimits) -> str:
+    rules = [
+        f"{name} {value:g} s"
+        for name, value in (
+            ("TTFT objective", limits.ttft_slo_s),
+            ("TPOT objective", limits.tpot_slo_s),
+            ("queue time at most", limits.max_queue_delay_s),
+        )
+        if value is not None
+    ]
+    if limits.max_waiting is not None:
+        rules.append(f"at most {limits.max_waiting} waiting")
+    return ", ".join(rules) if rules else "off: every request that fits is admitted"

@@ -131,6 +131,8 @@ class SchedulerStats:
     # The batch a step may take now: the configured one, or less while backing off after failed steps.
     max_num_seqs_now: int
     max_num_batched_tokens_now: int
+    # Device blocks new work must leave free while requests run (the watermark they grow into).
+    num_reserved_device_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,18 @@ class RequestSnapshot:
 
 
 @dataclass(frozen=True)
+class RemainingWork:
+    """What one live request still needs from the engine, as the scheduler sees it now."""
+
+    # Prompt and outputs so far (the last output is computed in the request's next step).
+    num_tokens: int
+    # Tokens whose KV is computed: num_tokens - 1 while decoding, less while a prompt (or a recompute) is pending.
+    num_computed_tokens: int
+    # Outputs still to come at most (max_tokens less those produced).
+    num_remaining_outputs: int
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine between two steps, as plain data: everything the serving layer may know about its state."""
 
@@ -175,6 +189,10 @@ class EngineSnapshot:
     # Every run-time fault and whether it is active now (engine.faults).
     active_faults: dict[str, bool]
     last_step: StepStats | None = None
+    # Every live request's remaining work, each queue in its scheduling order.
+    running_work: tuple[RemainingWork, ...] = ()
+    swapped_work: tuple[RemainingWork, ...] = ()
+    waiting_work: tuple[RemainingWork, ...] = ()
     # Only when asked for (it walks every live request).
     requests: tuple[RequestSnapshot, ...] | None = None
 

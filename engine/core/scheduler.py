@@ -157,6 +157,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             max_num_seqs_now=self.back_off.limit.max_num_seqs,
             max_num_batched_tokens_now=self.back_off.limit.max_num_batched_tokens,
+            num_reserved_device_blocks=int(self.watermark * self.kv.device_pool.capacity),
         )
 
     # ---- phases -------------------------------------------------------------------------------

@@ -1,12 +1,34 @@
-"""Admission control: refuse a request before it starts (429 with Retry-After) when the queue is past a limit."""
+"""Admission control: refuse a request before it starts (429 with Retry-After) when the engine predicts that it would
+miss its time-to-first-token objective, or when the queue is past a hard limit.
+
+Three parts, each fed by what the engine really does:
+
+- ``StepTimeModel``: how long one engine iteration takes, as a linear function of its prefill tokens and decodes,
+  fitted online (exponentially forgetting least squares) to every iteration the engine runs. A slower machine, a
+  bigger model or a KV cap that makes steps slower all move it within a few hundred steps.
+- ``forecast``: replays the scheduler's rules forward from the engine's snapshot (the running batch decoding and
+  finishing, prefills chunked under the token budget, queued requests admitted in order while seats and KV blocks
+  allow, blocks returning as requests finish) with the step-time model's durations, until a new request would get
+  its first token. So a prediction counts what the engine is busy with, not only the prompts that wait.
+- ``AdmissionController``: the feedback loop. For every admitted request it keeps the ratio of the first-token
+  time the engine then observed to the model's prediction. The median corrects the central prediction (what the
+  metrics report); the 95th percentile is the margin admission uses, so that a model that runs slow or fast, or
+  a step the model cannot see (preemption, a swap, a fault), tightens or loosens admission within a window of
+  requests, as a gradient concurrency limiter tightens its limit on observed latency.
+"""
 
 from __future__ import annotations
 
+import bisect
+import math
+import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.core.outputs import EngineSnapshot
-from engine.core.request import Request
+import numpy as np
+
+from engine.core.outputs import EngineSnapshot, RemainingWork, StepStats
 
 
 class AdmissionRefused(Exception):
@@ -22,35 +44,323 @@ class AdmissionRefused(Exception):
 class AdmissionLimits:
     """None disables a limit."""
 
-    # Refuse when this many requests are already waiting.
+    # Admit a request only if its first token is predicted within this (the operator's TTFT objective).
+    ttft_slo_s: float | None = None
+    # Admit a request only if the mean step time over its first decodes is predicted within this.
+    tpot_slo_s: float | None = None
+    # Hard limits, whatever the prediction: requests waiting, predicted time before the first scheduled step.
     max_waiting: int | None = None
-    # Refuse when the estimated wait before the first scheduled step exceeds this.
     max_queue_delay_s: float | None = None
     # Outputs a stream may hold undelivered before its request is aborted as a slow client.
     max_buffered_outputs: int = 256
 
     def __post_init__(self) -> None:
+        for name in ("ttft_slo_s", "tpot_slo_s", "max_queue_delay_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
-        if self.max_queue_delay_s is not None and self.max_queue_delay_s <= 0:
-            raise ValueError(f"max_queue_delay_s must be > 0, got {self.max_queue_delay_s}")
         if self.max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
 
 
-def find_overloads(
-    limits: AdmissionLimits, snapshot: EngineSnapshot, pending: Sequence[Request]
-) -> tuple[list[tuple[str, str]], float]:
-    """(reason, message) for each limit the queue is at, and the estimated queue delay: the time to prefill what
-    waits ahead (the engine's queue as of ``snapshot`` plus ``pending`` requests not in it yet) at the prefill
-    throughput the engine measures as it runs."""
-    num_waiting = snapshot.stats.num_waiting + len(pending)
-    waiting_tokens = snapshot.num_waiting_tokens + sum(r.num_prompt_tokens for r in pending)
-    delay_s = waiting_tokens / snapshot.prefill_tokens_per_s
-    overloads = []
-    if limits.max_waiting is not None and num_waiting >= limits.max_waiting:
-        overloads.append(("max_waiting", f"{num_waiting} requests are waiting (limit {limits.max_waiting})"))
-    if limits.max_queue_delay_s is not None and delay_s > limits.max_queue_delay_s:
-        message = f"estimated queue time {delay_s:.1f} s exceeds the limit of {limits.max_queue_delay_s:g} s"
-        overloads.append(("max_queue_delay", message))
-    return overloads, delay_s
+class StepTimeModel:
+    """Iteration time = c0 + c1 * prefill tokens + c2 * decodes, by ridge regression towards a prior with
+    exponential forgetting (an observation's weight halves every ``half_life_steps`` iterations).
+
+    The prior weighs two observations' worth; the engine's (``from_prefill_throughput``) says a prefill token and
+    a decode both cost one token's compute at the prefill throughput measured at start, plus 5 ms per iteration.
+    Coefficients are kept non-negative: a step never gets cheaper with more work.
+    """
+
+    # Typical magnitudes of the features, so the prior weighs each coefficient alike.
+    _SCALE = np.array([1.0, 512.0, 32.0])
+
+    def __init__(self, prior: tuple[float, float, float], half_life_steps: float = 200.0) -> None:
+        self._prior = np.array(prior, dtype=float)
+        self._prior_weight = np.diag(2.0 * self._SCALE**2)
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._coefficients = self._prior.copy()
+        self.num_observations = 0
+
+    def observe(self, num_prefill_tokens: int, num_decodes: int, duration_s: float) -> None:
+        x = np.array([1.0, num_prefill_tokens, num_decodes])
+        self._xtx = self._decay * self._xtx + np.outer(x, x)
+        self._xty = self._decay * self._xty + x * duration_s
+        solved = np.linalg.solve(self._xtx + self._prior_weight, self._xty + self._prior_weight @ self._prior)
+        self._coefficients = np.maximum(solved, 0.0)
+        self.num_observations += 1
+
+    @classmethod
+    def from_prefill_throughput(cls, prefill_tokens_per_s: float) -> StepTimeModel:
+        per_token_s = 1.0 / prefill_tokens_per_s
+        return cls((0.005, per_token_s, per_token_s))
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        return tuple(float(c) for c in self._coefficients)
+
+    def predict(self, num_prefill_tokens: int, num_decodes: int) -> float:
+        c0, c1, c2 = self._coefficients
+        return float(c0 + c1 * num_prefill_tokens + c2 * num_decodes)
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """When a new request would be first scheduled and get its first token, in seconds from now (``math.inf``:
+    not within the forecast's horizon), and the mean step time over its first decodes (None if not reached)."""
+
+    queue_s: float
+    ttft_s: float
+    tpot_s: float | None
+
+
+# How far a forecast looks ahead at most: a request predicted later than this is refused anyway.
+FORECAST_HORIZON_S = 120.0
+FORECAST_MAX_STEPS = 5000
+# Decode steps of the new request over which its TPOT is predicted.
+TPOT_DECODES = 8
+
+
+class _Simulated:
+    """A request in the forecast: ``order`` is its place in arrival order (the scheduler's queues keep it)."""
+
+    __slots__ = ("blocks", "computed", "is_new", "order", "remaining", "tokens")
+
+    def __init__(self, order: int, work: RemainingWork, blocks: int, is_new: bool = False) -> None:
+        self.order = order
+        self.tokens = work.num_tokens
+        self.computed = work.num_computed_tokens
+        self.remaining = work.num_remaining_outputs
+        self.blocks = blocks  # device blocks held
+        self.is_new = is_new
+
+
+def forecast(
+    snapshot: EngineSnapshot,
+    in_engine: Sequence[RemainingWork],
+    arriving: Sequence[RemainingWork],
+    new: NewRequest,
+    block_size: int,
+    model: StepTimeModel,
+    elapsed_s: float = 0.0,
+    horizon_s: float = FORECAST_HORIZON_S,
+) -> Forecast:
+    """Replay the scheduler (``engine.core.scheduler``) from ``snapshot``, with step times from ``model``: a step
+    on the snapshot's queues and ``in_engine`` (requests the engine took since the snapshot) started ``elapsed_s``
+    ago; ``arriving`` (submitted, not taken yet) and the ``new`` request join the waiting queue from the next step
+    on. Per step, as the scheduler does: the running batch in arrival order
+    gets its next token or prefill chunk under the token budget, preempting the newest running request (to the
+    swapped queue) when blocks run out; without a preemption, swapped requests come back first, and only when none
+    is left do waiting requests enter, their prompts chunked, while the free blocks stay above the reserve. A
+    request that samples its last output finishes and frees its blocks. Recompute preemption is replayed as a swap
+    (the feedback loop corrects for what it costs)."""
+    stats = snapshot.stats
+    order = iter(range(1 << 62))
+    running = [_Simulated(next(order), w, _blocks(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
+    swapped = [_Simulated(next(order), w, 0) for w in snapshot.swapped_work]
+    waiting = [_Simulated(next(order), w, 0) for w in (*snapshot.waiting_work, *in_engine)]
+    later = [_Simulated(next(order), w, 0) for w in arriving]
+    later.append(_Simulated(next(order), RemainingWork(new.num_prompt_tokens, 0, new.max_tokens), 0, is_new=True))
+    free = stats.num_free_device_blocks
+    if not running and not swapped and not waiting:  # an idle engine runs no step now: the new one is in the next
+        waiting, later = later, []
+    t = -elapsed_s if later else 0.0
+    queue_s = ttft_s = None
+    new_finished = False
+    decode_steps: list[float] = []
+    for step in range(FORECAST_MAX_STEPS):
+        if step == 1 and later:
+            waiting.extend(later)
+            t = max(t, 0.0)  # the step in progress may be late
+        budget, seats = stats.max_num_batched_tokens_now, stats.max_num_seqs_now
+        batch: list[tuple[_Simulated, int]] = []
+        preempted = False
+        index = 0
+        while index < len(running) and budget > 0 and seats > 0:
+            request = running[index]
+            num_new = min(request.tokens - request.computed, budget)
+            needed = _blocks(request.computed + num_new, block_size) - request.blocks
+            victim = None
+            while needed > free and victim is not request:
+                victim = running.pop()
+                free += victim.blocks
+                victim.blocks = 0
+                preempted = True
+                _insert(swapped, victim)
+            if victim is request:
+                break
+            free -= needed
+            request.blocks += needed
+            batch.append((request, num_new))
+            budget, seats, index = budget - num_new, seats - 1, index + 1
+        if not preempted:
+            for queue in (swapped, waiting):
+                if queue is waiting and swapped:
+                    break
+                while queue and budget > 0 and seats > 0 and len(running) < stats.max_num_seqs_now:
+                    request = queue[0]
+                    num_new = min(request.tokens - request.computed, budget)
+                    needed = _blocks(request.computed + num_new, block_size)
+                    reserve = stats.num_reserved_device_blocks if running else 0
+                    if free - needed < reserve:
+                        break
+                    queue.pop(0)
+                    free -= needed
+                    request.blocks = needed
+                    _insert(running, request)
+                    if request.is_new:
+                        queue_s = max(t, 0.0)
+                    batch.append((request, num_new))
+                    budget, seats = budget - num_new, seats - 1
+        num_prefill = sum(n for _, n in batch if n > 1)
+        duration_s = model.predict(num_prefill, len(batch) - sum(1 for _, n in batch if n > 1))
+        t += duration_s
+        for request, num_new in batch:
+            request.computed += num_new
+            if request.computed < request.tokens:
+                continue
+            if request.is_new:
+                if ttft_s is None:
+                    ttft_s = t
+                else:
+                    decode_steps.append(duration_s)
+            request.tokens += 1
+            request.remaining -= 1
+            if request.remaining <= 0:
+                running.remove(request)
+                free += request.blocks
+                new_finished = new_finished or request.is_new
+        if (ttft_s is not None and (len(decode_steps) >= TPOT_DECODES or new_finished)) or t > horizon_s:
+            break
+    return Forecast(
+        queue_s=math.inf if queue_s is None else queue_s,
+        ttft_s=math.inf if ttft_s is None else ttft_s,
+        tpot_s=sum(decode_steps) / len(decode_steps) if decode_steps else None,
+    )
+
+
+def _insert(queue: list[_Simulated], request: _Simulated) -> None:
+    bisect.insort(queue, request, key=lambda r: r.order)
+
+
+def _blocks(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``ttft_s`` and ``queue_s`` are the corrected central predictions; ``refusal`` is None when admitted."""
+
+    ttft_s: float
+    queue_s: float
+    tpot_s: float | None
+    refusal: AdmissionRefused | None
+
+
+class AdmissionController:
+    """Decides on each new request from a forecast and learns from what the engine then delivers.
+
+    Thread-safe: the engine thread reports steps and first tokens, the event loop asks for decisions.
+    """
+
+    # Ratios kept: at the rates where admission matters, about the last half minute of first tokens.
+    WINDOW = 100
+    # Ratios needed before they replace the defaults (1.0 central, 1.25 margin).
+    MIN_RATIOS = 10
+    TAIL_QUANTILE = 0.95
+
+    def __init__(self, limits: AdmissionLimits, block_size: int, prefill_tokens_per_s: float) -> None:
+        self.limits = limits
+        self.block_size = block_size
+        self.model = StepTimeModel.from_prefill_throughput(prefill_tokens_per_s)
+        self._lock = threading.Lock()
+        self._ratios: deque[float] = deque(maxlen=self.WINDOW)
+
+    def observe_iteration(self, step: StepStats, wall_s: float) -> None:
+        """One loop iteration that ran a step: the model learns its wall time (step, deliveries, bookkeeping)."""
+        if step.error is not None:
+            return
+        with self._lock:
+            self.model.observe(step.num_prefill_tokens, step.num_batched_tokens - step.num_prefill_tokens, wall_s)
+
+    def observe_first_token(self, model_ttft_s: float, observed_ttft_s: float) -> None:
+        """An admitted request's first token came ``observed_ttft_s`` after it arrived; the uncorrected model had
+        predicted ``model_ttft_s``."""
+        if model_ttft_s > 0 and math.isfinite(model_ttft_s):
+            with self._lock:
+                self._ratios.append(observed_ttft_s / model_ttft_s)
+
+    def corrections(self) -> tuple[float, float]:
+        """(central, tail): factors from the model's prediction to the median and the 95th percentile outcome."""
+        with self._lock:
+            ratios = list(self._ratios)
+        if len(ratios) < self.MIN_RATIOS:
+            return 1.0, 1.25
+        central, tail = np.quantile(ratios, [0.5, self.TAIL_QUANTILE])
+        return float(central), float(max(tail, central))
+
+    def decide(
+        self,
+        snapshot: EngineSnapshot,
+        elapsed_s: float,
+        in_engine: Sequence[RemainingWork],
+        arriving: Sequence[RemainingWork],
+        new: NewRequest,
+    ) -> tuple[Decision, float]:
+        """The decision for ``new`` and the uncorrected model's TTFT (what ``observe_first_token`` wants back);
+        the arguments are ``forecast``'s."""
+        limits = self.limits
+        stats = snapshot.stats
+        with self._lock:
+            predicted = forecast(snapshot, in_engine, arriving, new, self.block_size, self.model, elapsed_s)
+        central, tail = self.corrections()
+        ttft_s, queue_s, tail_ttft_s = predicted.ttft_s * central, predicted.queue_s * central, predicted.ttft_s * tail
+        num_waiting = stats.num_waiting + len(in_engine) + len(arriving)
+        refusal = None
+        if limits.max_waiting is not None and num_waiting >= limits.max_waiting:
+            message = f"{num_waiting} requests are waiting (limit {limits.max_waiting})"
+            refusal = _refusal("max_waiting", message, queue_s)
+        elif limits.max_queue_delay_s is not None and queue_s > limits.max_queue_delay_s:
+            message = f"predicted queue time {_seconds(queue_s)} exceeds the limit of {limits.max_queue_delay_s:g} s"
+            refusal = _refusal("max_queue_delay", message, queue_s - limits.max_queue_delay_s)
+        elif limits.ttft_slo_s is not None and tail_ttft_s > limits.ttft_slo_s:
+            message = (
+                f"predicted time to first token {_seconds(ttft_s)} (95th percentile {_seconds(tail_ttft_s)}) "
+                f"exceeds the objective of {limits.ttft_slo_s:g} s"
+            )
+            refusal = _refusal("ttft_slo", message, tail_ttft_s - limits.ttft_slo_s)
+        elif limits.tpot_slo_s is not None and predicted.tpot_s is not None and predicted.tpot_s > limits.tpot_slo_s:
+            message = (
+                f"predicted time per output token {predicted.tpot_s * 1e3:.0f} ms exceeds the objective of "
+                f"{limits.tpot_slo_s * 1e3:g} ms"
+            )
+            refusal = _refusal("tpot_slo", message, queue_s)
+        decision = Decision(ttft_s=ttft_s, queue_s=queue_s, tpot_s=predicted.tpot_s, refusal=refusal)
+        return decision, predicted.ttft_s
+
+    def ttft_limit_s(self) -> float | None:
+        """The uncorrected model's TTFT under which a request is admitted now: the objective over the margin."""
+        if self.limits.ttft_slo_s is None:
+            return None
+        return self.limits.ttft_slo_s / self.corrections()[1]
+
+
+def _refusal(reason: str, message: str, excess_s: float) -> AdmissionRefused:
+    """Retry-After: the whole seconds until the excess over the limit has drained at the predicted pace (at least
+    1; the forecast's horizon when the forecast did not reach the request)."""
+    retry_after_s = max(1, math.ceil(excess_s)) if math.isfinite(excess_s) else int(FORECAST_HORIZON_S)
+    return AdmissionRefused(f"server overloaded: {message}; retry after {retry_after_s} s", reason, retry_after_s)
+
+
+def _seconds(value_s: float) -> str:
+    return f"{value_s:.1f} s" if math.isfinite(value_s) else f"over {FORECAST_HORIZON_S:g} s"

@@ -25,16 +25,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections.abc import AsyncIterator
 
 from engine.core.interface import EngineClient, Prompt
-from engine.core.outputs import EngineSnapshot, RequestOutput
+from engine.core.outputs import EngineSnapshot, RemainingWork, RequestOutput
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
-from engine.serving.admission import AdmissionLimits, AdmissionRefused, find_overloads
+from engine.serving.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,6 +52,10 @@ class RequestStream:
         self.num_pushed = 0  # written by the engine thread only
         self.num_taken = 0  # written by the consumer only
         self.last_token_ts: float | None = None  # engine thread only
+        # Admission's predictions of its first token, in seconds from arrival: the uncorrected model's and the
+        # corrected one (None when it was not admitted through a prediction).
+        self.model_ttft_s: float | None = None
+        self.predicted_ttft_s: float | None = None
         self.finished = False  # consumer side: the final output was taken
 
     @property
@@ -95,6 +98,8 @@ class AsyncEngine:
         self.limits = limits or AdmissionLimits()
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, RequestStream | str]] = []  # ("add", stream) or ("abort", request_id)
+        # Requests the loop took from the inbox since the last snapshot: in the engine, not yet in a snapshot.
+        self._adds_since_snapshot: list[Request] = []
         self._streams: dict[str, RequestStream] = {}  # in flight, guarded by _cond
         self._iterations_allowed: int | None = None  # None: free-running; n >= 0: n more, then freeze
         self._frozen_until_ts: float | None = None  # the freeze fault
@@ -104,9 +109,10 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_iterations = 0
         self.last_progress_ts = time.monotonic()
-        # The engine as of the last loop iteration, published for the HTTP side.
-        self.snapshot: EngineSnapshot = engine.snapshot()
-        self._publish(self.snapshot)
+        # The engine as of the last loop iteration, published for the HTTP side, and when.
+        self._publish(engine.snapshot())
+        self.admission = AdmissionController(self.limits, engine.info.block_size, self.snapshot.prefill_tokens_per_s)
+        metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
         for loop_fault in ("freeze", "engine_paused"):
             metrics.set_fault(loop_fault, False)
 
@@ -139,8 +145,12 @@ class AsyncEngine:
     def submit(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
         """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded."""
         request = self.engine.prepare_request(prompt, params, request_id)
-        self._check_admission()
+        decision, model_ttft_s = self._decide(NewRequest(request.num_prompt_tokens, params.max_tokens))
+        if decision.refusal is not None:
+            raise decision.refusal
+        self.metrics.observe_admitted(decision.ttft_s)
         stream = RequestStream(request)
+        stream.model_ttft_s, stream.predicted_ttft_s = model_ttft_s, decision.ttft_s
         with self._cond:
             if not self._streams:
                 self.last_progress_ts = time.monotonic()  # the stall clock starts when work arrives
@@ -164,19 +174,16 @@ class AsyncEngine:
         return time.monotonic() - self.last_progress_ts if self._streams else 0.0
 
     def overload_reasons(self) -> list[str]:
-        """Why a new request would be refused now; empty when it would be admitted."""
-        return [message for _, message in self._overloads()[0]]
+        """Why a new one-token request would be refused now; empty when it would be admitted."""
+        refusal = self._decide(NewRequest(num_prompt_tokens=1, max_tokens=1))[0].refusal
+        return [] if refusal is None else [str(refusal)]
 
-    def _check_admission(self) -> None:
-        overloads, delay_s = self._overloads()
-        if overloads:
-            reason, message = overloads[0]
-            raise AdmissionRefused(f"server overloaded: {message}; retry later", reason, max(1, math.ceil(delay_s)))
-
-    def _overloads(self) -> tuple[list[tuple[str, str]], float]:
+    def _decide(self, new: NewRequest) -> tuple[Decision, float]:
         with self._cond:
-            pending = [item.request for kind, item in self._inbox if kind == "add"]
-        return find_overloads(self.limits, self.snapshot, pending)
+            snapshot, elapsed_s = self.snapshot, time.monotonic() - self.snapshot_ts
+            in_engine = [_work(request) for request in self._adds_since_snapshot]
+            arriving = [_work(item.request) for kind, item in self._inbox if kind == "add"]
+        return self.admission.decide(snapshot, elapsed_s, in_engine, arriving, new)
 
     # ---- run-time control (admin) ---------------------------------------------------------------
 
@@ -284,15 +291,18 @@ class AsyncEngine:
                 if self._stopping:
                     return
                 commands, self._inbox = self._inbox, []
+                self._adds_since_snapshot = [item.request for kind, item in commands if kind == "add"]
                 if self._iterations_allowed:
                     self._iterations_allowed -= 1
             deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
+            started = time.monotonic()
             with self._engine_lock:
                 self._apply(commands, deliveries)
                 stepped = self.engine.has_unfinished_requests() and self._step(deliveries)
                 snapshot = self.engine.snapshot()
                 if stepped and snapshot.last_step is not None:
                     self.metrics.observe_step(snapshot.last_step, self.engine.info.bytes_per_block)
+                    self.admission.observe_iteration(snapshot.last_step, time.monotonic() - started)
                 self._publish(snapshot)
             self.last_progress_ts = time.monotonic()
             self.num_iterations += 1
@@ -344,6 +354,8 @@ class AsyncEngine:
         if output.new_token_ids:
             gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
             self.metrics.observe_tokens(stream.request, len(output.new_token_ids), gap_s)
+            if gap_s is None and stream.model_ttft_s is not None:
+                self._learn_from_first_token(stream)
             stream.last_token_ts = now
         stream.num_pushed += 1
         # A request the engine gave up on alone (finish reason "error") ends its stream as an engine failure.
@@ -361,6 +373,13 @@ class AsyncEngine:
             )
             self._abort(stream.request_id, "slow_client", deliveries)
 
+    def _learn_from_first_token(self, stream: RequestStream) -> None:
+        request = stream.request
+        observed_s = request.first_token_ts - request.arrival_ts
+        self.admission.observe_first_token(stream.model_ttft_s, observed_s)
+        self.metrics.observe_first_token_prediction(stream.predicted_ttft_s, observed_s)
+        self.metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
+
     def _fail_all(self, message: str, deliveries) -> None:
         with self._cond:
             streams, self._streams = self._streams, {}
@@ -374,10 +393,17 @@ class AsyncEngine:
             deliveries.append((stream, EngineFailure(message)))
 
     def _publish(self, snapshot: EngineSnapshot) -> None:
-        self.snapshot = snapshot
+        with self._cond:
+            self.snapshot, self.snapshot_ts = snapshot, time.monotonic()
+            self._adds_since_snapshot = []
         self.metrics.observe_queues(snapshot.stats)
         for fault, active in snapshot.active_faults.items():
             self.metrics.set_fault(fault, active)
+
+
+def _work(request: Request) -> RemainingWork:
+    """A request not yet scheduled, as admission's forecast sees it."""
+    return RemainingWork(request.num_tokens, 0, request.sampling_params.max_tokens)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:

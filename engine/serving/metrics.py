@@ -30,6 +30,8 @@ BASE_LATENCY_BUCKETS_S = (
 )  # fmt: skip
 PREEMPTIONS_PER_REQUEST_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# Around 1: within 10%, 20% and 25% either way are bucket boundaries.
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.8, 0.9, 1.0, 1.1, 1.2, 1.25, 1.5, 2.0, 4.0)
 ABORT_PHASES = ("queued", "prefill", "decode", "swapped")
 # "client": the client went away or cancelled; "slow_client": it left too many outputs unread (back-pressure).
 ABORT_REASONS = ("client", "slow_client")
@@ -114,6 +116,29 @@ class EngineMetrics:
         self.step_duration = histogram("kvstorm:step_duration_seconds", "Duration of one engine step")
         self.swap_latency = histogram("kvstorm:swap_latency_seconds", "Block moves of one step that swapped")
         self.batch_tokens = histogram("kvstorm:batch_tokens", "Tokens in one step's batch", BATCH_TOKEN_BUCKETS)
+        self.admitted_requests = counter(
+            "kvstorm:admitted_requests", "Requests admission control let in (refusals: kvstorm:rejected_requests)"
+        )
+        self.predicted_ttft = histogram(
+            "kvstorm:admission_predicted_ttft_seconds",
+            "Time to first token admission predicted for each admitted request",
+        )
+        self.ttft_prediction_ratio = histogram(
+            "kvstorm:admission_ttft_prediction_ratio",
+            "Predicted over observed time to first token of each admitted request (1: exact)",
+            PREDICTION_RATIO_BUCKETS,
+        )
+        self.admission_ttft_limit = gauge(
+            "kvstorm:admission_ttft_limit_seconds",
+            "The service model's time to first token under which a request is admitted now (the TTFT objective over "
+            "the learnt margin; absent without an objective)",
+        )
+        self.admission_correction = labelled(
+            Gauge,
+            "kvstorm:admission_correction",
+            "Observed over the service model's time to first token, median and 95th percentile of recent requests",
+            ("quantile",),
+        )
         self.request_preemptions = histogram(
             "kvstorm:request_preemptions", "Preemptions a request went through", PREEMPTIONS_PER_REQUEST_BUCKETS
         )
@@ -182,6 +207,20 @@ class EngineMetrics:
 
     def observe_rejected(self, reason: str) -> None:
         self._labels(self.rejected_requests, reason=reason).inc()
+
+    def observe_admitted(self, predicted_ttft_s: float) -> None:
+        self.admitted_requests.inc()
+        self.predicted_ttft.observe(predicted_ttft_s)
+
+    def observe_first_token_prediction(self, predicted_s: float, observed_s: float) -> None:
+        if observed_s > 0:
+            self.ttft_prediction_ratio.observe(predicted_s / observed_s)
+
+    def observe_admission_limit(self, ttft_limit_s: float | None, central: float, tail: float) -> None:
+        if ttft_limit_s is not None:
+            self.admission_ttft_limit.set(ttft_limit_s)
+        self._labels(self.admission_correction, quantile="0.5").set(central)
+        self._labels(self.admission_correction, quantile="0.95").set(tail)
 
     def set_fault(self, fault: str, active: bool) -> None:
         self._labels(self.active_faults, fault=fault).set(1 if active else 0)

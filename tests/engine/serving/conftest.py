@@ -93,9 +93,8 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
 
 def make_tiny_engine(**options) -> LLMEngine:
     """The tiny random-weight model (no tokenizer: prompts are token ids), for tests where text does not matter."""
-    return LLM(
-        "random:tiny", device="cpu", block_size=BLOCK_SIZE, kv_cache_memory=8 << 20, swap_space=0, **options
-    ).engine
+    options = {"kv_cache_memory": 8 << 20, "swap_space": 0, **options}
+    return LLM("random:tiny", device="cpu", block_size=BLOCK_SIZE, **options).engine
 
 
 def wait_until(condition, what: str, timeout_s: float = 60.0, interval_s: float = 0.01):

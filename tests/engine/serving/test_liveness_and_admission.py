@@ -125,15 +125,16 @@ def test_a_full_queue_is_refused_with_429_and_retry_after_before_any_stream_star
         assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="max_waiting") == 1
 
 
-def test_an_estimated_queue_time_over_the_limit_is_refused_with_429():
+def test_a_predicted_queue_time_over_the_limit_is_refused_with_429():
     limits = AdmissionLimits(max_queue_delay_s=1e-6)
-    with running_server(make_tiny_engine(), name=TINY, limits=limits) as server:
+    # A 64-token budget: the long prompt takes 8 steps, and a request behind it waits for them.
+    with running_server(make_tiny_engine(max_num_batched_tokens=64), name=TINY, limits=limits) as server:
         requests.post(f"{server.url}/admin/pause", headers=server.admin_headers)
         reader, lines = stream_in_background(server.url, prompt=list(range(1, 500)), max_tokens=2)
         wait_until(lambda: stats(server)["pending_adds"], "the long prompt to queue")
         refused = requests.post(f"{server.url}/v1/completions", json={"model": TINY, "prompt": [1], "max_tokens": 2})
         assert refused.status_code == 429
-        assert "estimated queue time" in refused.json()["error"]["message"]
+        assert "predicted queue time" in refused.json()["error"]["message"]
         requests.post(f"{server.url}/admin/resume", headers=server.admin_headers)
         reader.join(60)
         assert finish_reasons(lines) == ["length"]

@@ -1,0 +1,200 @@
+"""Admission control: the forecast replays the real scheduler step for step, the step-time model and the feedback
+loop learn from scripted timings (no sleeps), and on the real model a burst far above capacity is shed with 429s
+while every admitted stream meets a generous TTFT bound and nothing breaks or leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import numpy as np
+import pytest
+import requests
+
+from engine.core.outputs import RemainingWork, StepStats
+from engine.core.sampling_params import SamplingParams
+from engine.serving.admission import (
+    AdmissionController,
+    AdmissionLimits,
+    NewRequest,
+    StepTimeModel,
+    forecast,
+)
+from loadgen.benchmark import run_benchmark
+from loadgen.records import Outcome
+from loadgen.results import RunConfig
+from tests.engine.serving.conftest import BLOCK_SIZE, make_engine, make_tiny_engine, metric_value, running_server
+
+# One unit of time per step, whatever is in it: the forecast's times are then step counts.
+ONE_PER_STEP = (1.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_the_forecast_replays_the_scheduler_step_for_step_through_preemptions(preemption_mode):
+    """Requests arrive at random steps into an engine whose pool holds three of them at a time, so requests are
+    preempted; for each, the forecast from the snapshot before it arrived names the step of its first token."""
+    engine = make_tiny_engine(
+        kv_cache_memory=68 * 8192, swap_space=1 << 26, max_num_batched_tokens=512, preemption_mode=preemption_mode
+    )
+    assert engine.info.bytes_per_block == 8192
+    assert engine.stats().num_device_blocks == 68
+    steps = StepTimeModel(ONE_PER_STEP)
+    rng = random.Random(0)
+    predicted, first_token_step, num_steps = {}, {}, 0
+    for index in range(600):
+        if rng.random() < 0.15:
+            snapshot = engine.snapshot()
+            in_progress = engine.has_unfinished_requests()
+            if in_progress:  # a step on the snapshot runs while the request arrives, as in the server
+                for output in engine.step():
+                    first_token_step.setdefault(output.request_id, num_steps + 1)
+                num_steps += 1
+            request_id = f"r{index}"
+            prompt_len, max_tokens = rng.choice([(256, 64), (100, 16), (400, 8)])
+            predicted[request_id] = (
+                num_steps
+                - in_progress
+                + forecast(
+                    snapshot, [], [], NewRequest(prompt_len, max_tokens), BLOCK_SIZE, steps, horizon_s=math.inf
+                ).ttft_s
+            )
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            engine.add_request(list(range(1, prompt_len + 1)), params, request_id=request_id)
+        for output in engine.step():
+            if output.new_token_ids:
+                first_token_step.setdefault(output.request_id, num_steps + 1)
+        num_steps += 1
+    assert engine.stats().num_preemptions >= 10
+    observed = {request_id: first_token_step[request_id] for request_id in predicted if request_id in first_token_step}
+    assert len(observed) > 40
+    misses = {r: (predicted[r], observed[r]) for r in observed if predicted[r] != observed[r]}
+    assert not misses, f"forecast (steps) vs the engine: {misses}"
+
+
+def test_a_queue_behind_a_busy_batch_waits_for_blocks_not_only_for_prefill():
+    """Four requests decode in a pool with room for none more: the new one waits until they finish (30 more
+    outputs each), where counting the prompts ahead alone would say it starts at once."""
+    engine = make_tiny_engine(kv_cache_memory=24 * 8192, swap_space=0, max_num_batched_tokens=512)
+    for index in range(4):
+        engine.add_request(list(range(1, 81)), SamplingParams(max_tokens=31, ignore_eos=True), request_id=f"r{index}")
+    engine.step()
+    snapshot = engine.snapshot()
+    assert snapshot.stats.num_free_device_blocks < 6  # 4 x 6 blocks of 16 tokens held
+    predicted = forecast(snapshot, [], [], NewRequest(80, 4), BLOCK_SIZE, StepTimeModel(ONE_PER_STEP), horizon_s=1e9)
+    assert predicted.queue_s == 30  # the step in progress and 29 more: the batch's last outputs free its blocks
+    assert predicted.ttft_s == 31
+
+
+def test_the_step_time_model_learns_a_machine_from_its_steps():
+    truth = np.array([0.04, 0.0008, 0.002])
+    model = StepTimeModel.from_prefill_throughput(5000.0)  # a prior 4x too fast
+    rng = random.Random(1)
+    for _ in range(400):
+        prefill, decodes = rng.choice([0, 0, 256, 512, 2000]), rng.randint(0, 40)
+        model.observe(prefill, decodes, float(truth @ [1, prefill, decodes]))
+    assert np.allclose(model.coefficients, truth, rtol=0.1), model.coefficients
+    assert model.predict(1024, 10) == pytest.approx(truth @ [1, 1024, 10], rel=0.02)
+
+
+def _busy_snapshot(engine):
+    for index in range(6):
+        engine.add_request(list(range(1, 201)), SamplingParams(max_tokens=50, ignore_eos=True), request_id=f"b{index}")
+    engine.step()
+    return engine.snapshot()
+
+
+def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
+    """The step model says 10 ms a step, the engine's first tokens come 3x later than that predicts: after a
+    window of them, the central prediction is 3x the model's, and a request the uncorrected model would admit
+    is refused, with a Retry-After of the excess."""
+    engine = make_tiny_engine(max_num_batched_tokens=256)
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.3), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller.model = StepTimeModel((0.01, 0.0, 0.0))
+    new = NewRequest(200, 10)
+    admitted, model_ttft_s = controller.decide(snapshot, 0.0, [], [], new)
+    assert admitted.refusal is None
+    # 944 prompt tokens ahead and its own 200, in 256-token steps: 5 steps of 10 ms.
+    assert model_ttft_s == pytest.approx(0.05)
+    for _ in range(AdmissionController.WINDOW):
+        controller.observe_first_token(model_ttft_s, 3 * model_ttft_s)
+    central, tail = controller.corrections()
+    assert central == pytest.approx(3.0)
+    assert tail == pytest.approx(3.0)
+    decision, _ = controller.decide(snapshot, 0.0, [], [], new)
+    assert decision.ttft_s == pytest.approx(0.15)
+    busier = controller.decide(snapshot, 0.0, [], [RemainingWork(2000, 0, 10)], new)[0]
+    assert busier.refusal is not None
+    assert busier.refusal.reason == "ttft_slo"
+    assert busier.refusal.retry_after_s == math.ceil(busier.ttft_s - 0.3)
+    assert "exceeds the objective of 0.3 s" in str(busier.refusal)
+    assert controller.ttft_limit_s() == pytest.approx(0.1)
+
+
+def test_steps_that_failed_teach_the_model_nothing():
+    controller = AdmissionController(AdmissionLimits(), BLOCK_SIZE, prefill_tokens_per_s=1000.0)
+    before = controller.model.coefficients
+    failed = StepStats(num_scheduled=4, num_batched_tokens=400, num_prefill_tokens=396, num_swapped_in_blocks=0,
+                       num_swapped_out_blocks=0, duration_s=9.0, error="OutOfMemoryError")  # fmt: skip
+    controller.observe_iteration(failed, 9.0)
+    assert controller.model.coefficients == before
+
+
+def test_a_predicted_tpot_over_its_objective_is_refused():
+    engine = make_tiny_engine()
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller.model = StepTimeModel((0.005, 0.0, 0.001))  # 7 decodes: 12 ms a step
+    assert controller.decide(snapshot, 0.0, [], [], NewRequest(10, 20))[0].refusal is None
+    arriving = [RemainingWork(10, 0, 100)] * 10  # 17 decodes: 22 ms a step
+    decision = controller.decide(snapshot, 0.0, [], arriving, NewRequest(10, 20))[0]
+    assert decision.refusal is not None
+    assert decision.refusal.reason == "tpot_slo"
+    assert decision.tpot_s == pytest.approx(0.022)
+
+
+def test_a_burst_far_above_capacity_is_shed_and_every_admitted_stream_meets_its_first_token_bound(
+    real_model, real_tokenizer
+):
+    """120 requests at 40 per second into the real model (a few per second is its capacity here): admission
+    with a 3 s TTFT objective refuses most with 429 and a Retry-After before any stream starts; those admitted
+    stream to the end with their first token within twice the objective; no stream breaks and every block is free
+    afterwards. The metrics count each decision and compare each prediction with what happened."""
+    engine = make_engine(real_model, real_tokenizer, num_blocks=128, num_host_blocks=128)
+    with running_server(engine, limits=AdmissionLimits(ttft_slo_s=3.0)) as server:
+        config = RunConfig(
+            base_url=server.url,
+            model="smollm2-135m",
+            arrival="constant:rate=40",
+            workload="random",
+            input_len="fixed:128",
+            output_len="fixed:32",
+            num_requests=120,
+            duration_s=None,
+            max_concurrency=None,
+            request_timeout_s=120.0,
+            stall_timeout_s=30.0,
+            exact_output=True,
+            seed=3,
+            slo=None,
+        )
+        result = asyncio.run(run_benchmark(config, show_progress=False))
+        records = result.records
+        refused = [r for r in records if r.outcome is Outcome.REJECTED]
+        admitted = [r for r in records if r.outcome is not Outcome.REJECTED]
+        assert len(refused) > 40
+        assert len(admitted) >= 10
+        assert {r.http_status for r in refused} == {429}
+        assert all(r.outcome is Outcome.OK and r.output_tokens == 32 for r in admitted)
+        assert max(r.ttft_s for r in admitted) < 6.0, sorted(r.ttft_s for r in admitted)[-5:]
+
+        retry = requests.post(f"{server.url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi"})
+        assert retry.status_code == 200  # the burst is over: admitted again
+        stats = requests.get(f"{server.url}/admin/stats", headers=server.admin_headers).json()["stats"]
+        assert stats["num_free_device_blocks"] == stats["num_device_blocks"]
+        metrics = requests.get(f"{server.url}/metrics").text
+        assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="ttft_slo") == len(refused)
+        assert metric_value(metrics, "kvstorm:admitted_requests_total") == len(admitted) + 1
+        assert metric_value(metrics, "kvstorm:admission_ttft_prediction_ratio_count") == len(admitted) + 1
+        assert metric_value(metrics, "kvstorm:admission_ttft_limit_seconds") > 0
