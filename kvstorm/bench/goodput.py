@@ -4,10 +4,10 @@ Finds the capacity (the highest Poisson rate at which the SLOs hold with admissi
 against a fresh ``kvstorm serve`` each, once with ``--ttft-slo off`` and once with the objective. Per run: goodput
 (requests meeting every SLO per second of the schedule), ok / rejected / broken / timed out, TTFT and TPOT of the
 admitted requests, how often admission's TTFT prediction was within 25% of what happened (from the server's
-histogram, after the first 10 s), and whether Retry-After tells the truth: a probe sends one request every few
-seconds, and when it is refused waits the Retry-After it was given and sends it again, counting the second tries
-that are admitted. Writes the table and an HTML plot (plotly, self-contained) to the results directory.
-"""
+histogram, after the first ``--warm-up`` seconds), and whether Retry-After tells the truth: a probe sends one
+request every few seconds, and when it is refused waits the Retry-After it was given and sends it again, counting
+the second tries that are admitted. Writes the table and an HTML plot (plotly, self-contained) to the results
+directory."""
 
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from loadgen.results import RunConfig, RunResult
 from loadgen.spec import parse_duration
 
 PREDICTION_TOLERANCE_BUCKETS = ("0.75", "1.25")  # predicted / observed within 25% either way
-WARM_UP_S = 10.0
 PROBE_INTERVAL_S = 3.0
 
 
@@ -57,6 +56,12 @@ def add_bench_goodput_parser(bench_subparsers: argparse._SubParsersAction) -> No
     parser.add_argument("--duration", type=parse_duration, default=40.0, help="schedule of each run")
     parser.add_argument("--capacity", type=float, default=None, help="skip the search: this many requests/s")
     parser.add_argument("--multiples", default="0.5,1,2,3,5", help="rates to run, as multiples of the capacity")
+    parser.add_argument(
+        "--warm-up",
+        type=parse_duration,
+        default=10.0,
+        help="predictions before this are not counted (the model learns)",
+    )
     parser.add_argument("--request-timeout", type=parse_duration, default=60.0, help="the client's whole-request limit")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--results-dir", type=Path, default=Path("bench-results"))
@@ -93,7 +98,7 @@ def run_bench_goodput(args: argparse.Namespace) -> BenchReport:
         for multiple in multiples
     ]
     html_path = args.results_dir / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}.html"
-    _plot(rows, capacity, html_path)
+    _plot(rows, capacity, parse_duration(args.ttft_slo), html_path)
     return BenchReport(
         _markdown(args, capacity, bench.search_log, rows, html_path), data={"rows": [asdict(r) for r in rows]}
     )
@@ -175,18 +180,18 @@ class _Bench:
                 seed=args.seed,
                 slo=self.slo,
             )
-            result, within, probes = asyncio.run(_measure(config, args.duration))
+            result, within, probes = asyncio.run(_measure(config, args.warm_up))
         finally:
             server.stop()
         result.write(args.results_dir / f"goodput-{admission}-{rate:.3f}.json")
         return result, within, probes
 
 
-async def _measure(config: RunConfig, duration_s: float) -> tuple[RunResult, float | None, list[bool]]:
+async def _measure(config: RunConfig, warm_up_s: float) -> tuple[RunResult, float | None, list[bool]]:
     async with aiohttp.ClientSession() as session:
         stop = asyncio.Event()
         probe = asyncio.create_task(_probe_retry_after(session, config, stop))
-        warm = asyncio.create_task(_ratio_buckets_after(session, config.base_url, WARM_UP_S))
+        warm = asyncio.create_task(_ratio_buckets_after(session, config.base_url, warm_up_s))
         result = await run_benchmark(config, show_progress=False)
         stop.set()
         probes = await probe
@@ -279,15 +284,16 @@ def _markdown(args, capacity: float, search_log: list[str], rows: list[GoodputRo
             f"| {_ms(r.tpot_p50_s).removesuffix(' ms')} / {_ms(r.tpot_p99_s).removesuffix(' ms')} | {within} "
             f"| {r.retries_admitted} of {r.retries} |"
         )
-    lines.append(f"\nPlot: `{html_path}`")
+    lines.append(f"\nPlot: `{html_path.name}` in the results directory (plotly, self-contained).")
     return "\n".join(lines)
 
 
-def _plot(rows: list[GoodputRow], capacity: float, path: Path) -> None:
+def _plot(rows: list[GoodputRow], capacity: float, ttft_slo_s: float, path: Path) -> None:
     figure = make_subplots(
-        rows=1, cols=2, subplot_titles=("Goodput (req/s meeting the SLOs)", "TTFT p99 of admitted (s)")
+        rows=1, cols=2, subplot_titles=("Goodput (requests/s meeting the SLOs)", "TTFT p99 of admitted requests (s)")
     )
-    for admission, color in (("off", "#d62728"), (next(r.admission for r in rows if r.admission != "off"), "#2ca02c")):
+    objective = next(r.admission for r in rows if r.admission != "off")
+    for admission, color in (("off", "#d62728"), (objective, "#2ca02c")):
         mine = [r for r in rows if r.admission == admission]
         name = "admission off" if admission == "off" else f"admission, TTFT objective {admission}"
         x = [r.multiple for r in mine]
@@ -295,7 +301,20 @@ def _plot(rows: list[GoodputRow], capacity: float, path: Path) -> None:
         figure.add_trace(
             go.Scatter(x=x, y=[r.ttft_p99_s for r in mine], name=name, line={"color": color}, showlegend=False), 1, 2
         )
-    figure.update_xaxes(title_text=f"offered load (multiple of capacity, {capacity:.2f} req/s)", type="log")
-    figure.update_layout(width=1100, height=450, margin={"t": 60})
+    figure.add_hline(y=ttft_slo_s, line={"dash": "dot", "color": "grey"}, annotation_text="SLO", row=1, col=2)
+    multiples = sorted({r.multiple for r in rows})
+    figure.update_xaxes(
+        title_text=f"offered load, multiple of capacity ({capacity:.2f} req/s)",
+        type="log",
+        tickvals=multiples,
+        ticktext=[f"{m:g}x" for m in multiples],
+    )
+    figure.update_yaxes(rangemode="tozero")
+    figure.update_layout(
+        width=1080,
+        height=460,
+        margin={"t": 90, "b": 60, "l": 50, "r": 20},
+        legend={"orientation": "h", "x": 0.5, "xanchor": "center", "y": 1.2},
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.write_html(path, include_plotlyjs=True)
+    figure.write_html(path, include_plotlyjs=True, config={"displayModeBar": False})

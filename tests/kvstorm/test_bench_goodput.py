@@ -1,0 +1,35 @@
+"""`kvstorm bench goodput` end to end on the bundled model, shortened: a fresh server per run, admission off and on,
+the table, the server's prediction histogram read back, the Retry-After probe, and the HTML plot."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_admission(tmp_path):
+    command = [
+        sys.executable, "-m", "kvstorm", "bench", "--no-docs", "goodput", "--capacity", "2", "--multiples", "1,4",
+        "--duration", "8s", "--input-len", "fixed:128", "--output-len", "fixed:16", "--ttft-slo", "2s",
+        "--warm-up", "0s", "--server-args", "--kv-cache-memory 32MiB --swap-space 64MiB",
+        "--results-dir", str(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {
+        tuple(cells[:2]): cells
+        for line in run.stdout.splitlines()
+        if line.startswith(("| off", "| TTFT"))
+        for cells in [[cell.strip() for cell in line.strip().strip("|").split("|")]]
+    }
+    assert set(rows) == {("off", "1x"), ("off", "4x"), ("TTFT 2s", "1x"), ("TTFT 2s", "4x")}
+    ok, rejected, broken, _ = (int(n) for n in rows["off", "4x"][3].split("/"))
+    assert rejected == 0
+    assert broken == 0
+    ok, rejected, broken, _ = (int(n) for n in rows["TTFT 2s", "4x"][3].split("/"))
+    assert rejected > 0
+    assert ok > 0
+    assert broken == 0
+    assert rows["TTFT 2s", "4x"][8].endswith("%")  # the server's predictions were read back
+    assert len(list(tmp_path.glob("goodput-*.html"))) == 1
+    assert len(list(tmp_path.glob("goodput-*.json"))) == 4
