@@ -109,8 +109,13 @@ def engine_board() -> Board:
         (
             Query(f"sum(rate(kvstorm:admitted_requests_total{{{SEL}}}[{RATE}]))", "admitted"),
             Query(f"sum by (reason) (rate(kvstorm:rejected_requests_total{{{SEL}}}[{RATE}]))", "refused {{reason}}"),
+            Query(
+                f"sum by (outcome) (rate(kvstorm:admission_retries_total{{{SEL}}}[{RATE}]))",
+                "retry after Retry-After: {{outcome}}",
+            ),
         ),
         unit="ops",
+        description="A retry is the same request sent again after the Retry-After it was given",
     )
     margin = Panel(
         "Admission's learnt correction and limit",

@@ -22,7 +22,8 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,8 @@ class StepTimeModel:
 class NewRequest:
     num_prompt_tokens: int
     max_tokens: int
+    # The same for the same request sent again (a hash of its body): how a retry is recognised.
+    retry_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -259,12 +262,14 @@ def _blocks(num_tokens: int, block_size: int) -> int:
 
 @dataclass(frozen=True)
 class Decision:
-    """``ttft_s`` and ``queue_s`` are the corrected central predictions; ``refusal`` is None when admitted."""
+    """``ttft_s`` and ``queue_s`` are the corrected central predictions; ``refusal`` is None when admitted;
+    ``honoured_retry``: the request came back after the Retry-After it was given."""
 
     ttft_s: float
     queue_s: float
     tpot_s: float | None
     refusal: AdmissionRefused | None
+    honoured_retry: bool = False
 
 
 class AdmissionController:
@@ -275,6 +280,15 @@ class AdmissionController:
 
     # Ratios kept: at the rates where admission matters, about the last half minute of first tokens.
     WINDOW = 100
+    # A new request must be predicted within this share of the TTFT objective; a request that comes back after
+    # the Retry-After it was given may use the whole objective. The queue then stays short of the objective by the
+    # rest, room kept for retries, so a Retry-After is a promise a retrying client finds kept, while fresh arrivals
+    # alone keep the engine just as busy (under overload the queue never empties: goodput does not depend on how
+    # long it is).
+    FRESH_SHARE = 0.85
+    # How long after its Retry-After a refused request is still recognised as a retry; how many are remembered.
+    PROMISE_GRACE_S = 30.0
+    MAX_PROMISES = 10_000
     # Ratios needed before they replace the defaults (1.0 central, 1.25 margin).
     MIN_RATIOS = 10
     TAIL_QUANTILE = 0.95
@@ -285,6 +299,7 @@ class AdmissionController:
         self.model = StepTimeModel.from_prefill_throughput(prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._ratios: deque[float] = deque(maxlen=self.WINDOW)
+        self._promises: OrderedDict[str, float] = OrderedDict()  # retry key -> when its Retry-After ends
 
     def observe_iteration(self, step: StepStats, wall_s: float) -> None:
         """One loop iteration that ran a step: the model learns its wall time (step, deliveries, bookkeeping)."""
@@ -316,10 +331,13 @@ class AdmissionController:
         in_engine: Sequence[RemainingWork],
         arriving: Sequence[RemainingWork],
         new: NewRequest,
+        now: float | None = None,
     ) -> tuple[Decision, float]:
         """The decision for ``new`` and the uncorrected model's TTFT (what ``observe_first_token`` wants back);
-        the arguments are ``forecast``'s."""
+        the arguments are ``forecast``'s, and ``now`` the monotonic clock (Retry-After promises)."""
         limits = self.limits
+        now = time.monotonic() if now is None else now
+        honoured_retry = self._claim_promise(new.retry_key, now)
         stats = snapshot.stats
         with self._lock:
             predicted = forecast(snapshot, in_engine, arriving, new, self.block_size, self.model, elapsed_s)
@@ -333,26 +351,50 @@ class AdmissionController:
         elif limits.max_queue_delay_s is not None and queue_s > limits.max_queue_delay_s:
             message = f"predicted queue time {_seconds(queue_s)} exceeds the limit of {limits.max_queue_delay_s:g} s"
             refusal = _refusal("max_queue_delay", message, queue_s - limits.max_queue_delay_s)
-        elif limits.ttft_slo_s is not None and tail_ttft_s > limits.ttft_slo_s:
+        elif limits.ttft_slo_s is not None and tail_ttft_s > limits.ttft_slo_s * (
+            1.0 if honoured_retry else self.FRESH_SHARE
+        ):
             message = (
                 f"predicted time to first token {_seconds(ttft_s)} (95th percentile {_seconds(tail_ttft_s)}) "
                 f"exceeds the objective of {limits.ttft_slo_s:g} s"
+                + ("" if honoured_retry else f" with room kept for retries ({self.FRESH_SHARE:.0%} of it for new ones)")
             )
+            # When a retry would fit the whole objective: the excess over it drains at the predicted pace.
             refusal = _refusal("ttft_slo", message, tail_ttft_s - limits.ttft_slo_s)
+            self._promise(new.retry_key, now + refusal.retry_after_s)
         elif limits.tpot_slo_s is not None and predicted.tpot_s is not None and predicted.tpot_s > limits.tpot_slo_s:
             message = (
                 f"predicted time per output token {predicted.tpot_s * 1e3:.0f} ms exceeds the objective of "
                 f"{limits.tpot_slo_s * 1e3:g} ms"
             )
             refusal = _refusal("tpot_slo", message, queue_s)
-        decision = Decision(ttft_s=ttft_s, queue_s=queue_s, tpot_s=predicted.tpot_s, refusal=refusal)
+        decision = Decision(ttft_s, queue_s, predicted.tpot_s, refusal, honoured_retry)
         return decision, predicted.ttft_s
 
+    def _claim_promise(self, retry_key: str | None, now: float) -> bool:
+        """Whether ``retry_key`` was refused before and comes back after its Retry-After (the promise is used)."""
+        with self._lock:
+            due = self._promises.get(retry_key) if retry_key is not None else None
+            if due is None or now < due - 0.5 or now > due + self.PROMISE_GRACE_S:
+                return False
+            del self._promises[retry_key]
+            return True
+
+    def _promise(self, retry_key: str | None, due: float) -> None:
+        if retry_key is None:
+            return
+        with self._lock:
+            self._promises[retry_key] = due
+            self._promises.move_to_end(retry_key)
+            while len(self._promises) > self.MAX_PROMISES:
+                self._promises.popitem(last=False)
+
     def ttft_limit_s(self) -> float | None:
-        """The uncorrected model's TTFT under which a request is admitted now: the objective over the margin."""
+        """The uncorrected model's TTFT under which a new request is admitted now: its share of the objective over
+        the margin."""
         if self.limits.ttft_slo_s is None:
             return None
-        return self.limits.ttft_slo_s / self.corrections()[1]
+        return self.limits.ttft_slo_s * self.FRESH_SHARE / self.corrections()[1]
 
 
 def _refusal(reason: str, message: str, excess_s: float) -> AdmissionRefused:

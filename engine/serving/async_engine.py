@@ -142,10 +142,15 @@ class AsyncEngine:
 
     # ---- requests (event loop side) -------------------------------------------------------------
 
-    def submit(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
-        """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded."""
+    def submit(
+        self, prompt: Prompt, params: SamplingParams, request_id: str, retry_key: str | None = None
+    ) -> RequestStream:
+        """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
+        ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it)."""
         request = self.engine.prepare_request(prompt, params, request_id)
-        decision, model_ttft_s = self._decide(NewRequest(request.num_prompt_tokens, params.max_tokens))
+        decision, model_ttft_s = self._decide(NewRequest(request.num_prompt_tokens, params.max_tokens, retry_key))
+        if decision.honoured_retry:
+            self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:
             raise decision.refusal
         self.metrics.observe_admitted(decision.ttft_s)

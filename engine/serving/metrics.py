@@ -119,6 +119,12 @@ class EngineMetrics:
         self.admitted_requests = counter(
             "kvstorm:admitted_requests", "Requests admission control let in (refusals: kvstorm:rejected_requests)"
         )
+        self.retries = labelled(
+            Counter,
+            "kvstorm:admission_retries",
+            "Requests that came back after their Retry-After, by whether they were admitted then",
+            ("outcome",),
+        )
         self.predicted_ttft = histogram(
             "kvstorm:admission_predicted_ttft_seconds",
             "Time to first token admission predicted for each admitted request",
@@ -145,6 +151,8 @@ class EngineMetrics:
         # Series that exist from the start, at 0, so rate() and absent() work before the first event.
         for reason in FINISH_REASONS:
             self._labels(self.request_success, finished_reason=reason)
+        for outcome in ("admitted", "refused"):
+            self._labels(self.retries, outcome=outcome)
         for phase in ABORT_PHASES:
             for reason in ABORT_REASONS:
                 self._labels(self.aborted_requests, phase=phase, reason=reason)
@@ -211,6 +219,9 @@ class EngineMetrics:
     def observe_admitted(self, predicted_ttft_s: float) -> None:
         self.admitted_requests.inc()
         self.predicted_ttft.observe(predicted_ttft_s)
+
+    def observe_retry(self, admitted: bool) -> None:
+        self._labels(self.retries, outcome="admitted" if admitted else "refused").inc()
 
     def observe_first_token_prediction(self, predicted_s: float, observed_s: float) -> None:
         if observed_s > 0:

@@ -13,6 +13,7 @@ their blocks are free after the engine's next loop iteration.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -280,7 +281,9 @@ async def _generate(
     echoes: Sequence[str] | None = None,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
-    streams = _submit_all(async_engine, response_id, prompts, params_list)
+    # The same body sent again is the same request: a client that honours a Retry-After resends it unchanged.
+    retry_key = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+    streams = _submit_all(async_engine, response_id, prompts, params_list, retry_key)
     tokenizer = async_engine.engine.tokenizer
     is_chat = isinstance(body, ChatCompletionRequest)
     assemblers = [ChoiceAssembler(tokenizer, is_chat, echo) for echo in echoes or [""] * len(params_list)]
@@ -308,12 +311,13 @@ def _submit_all(
     response_id: str,
     prompts: Sequence[str | list[int]],
     params_list: Sequence[SamplingParams],
+    retry_key: str,
 ) -> list[RequestStream]:
     """All prompts or none: a refusal of one aborts those already queued."""
     streams: list[RequestStream] = []
     try:
         for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            streams.append(async_engine.submit(prompt, params, f"{response_id}-{index}"))
+            streams.append(async_engine.submit(prompt, params, f"{response_id}-{index}", f"{retry_key}-{index}"))
     except (ValueError, AdmissionRefused) as error:
         for stream in streams:
             async_engine.abort(stream.request_id)

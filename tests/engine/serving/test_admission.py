@@ -129,7 +129,35 @@ def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
     assert busier.refusal.reason == "ttft_slo"
     assert busier.refusal.retry_after_s == math.ceil(busier.ttft_s - 0.3)
     assert "exceeds the objective of 0.3 s" in str(busier.refusal)
-    assert controller.ttft_limit_s() == pytest.approx(0.1)
+    assert controller.ttft_limit_s() == pytest.approx(0.3 * AdmissionController.FRESH_SHARE / 3)
+
+
+def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objective():
+    """New requests get 85% of the TTFT objective, one that honours its Retry-After all of it: the room kept is
+    what makes the Retry-After true under sustained overload, where fresh arrivals would take any freed capacity."""
+    engine = make_tiny_engine(max_num_batched_tokens=256)
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller.model = StepTimeModel((0.18, 0.0, 0.0))  # 5 steps ahead of a new request: 0.9 s
+    for _ in range(AdmissionController.WINDOW):
+        controller.observe_first_token(1.0, 1.0)
+
+    def decide(key: str, now: float):
+        return controller.decide(snapshot, 0.0, [], [], NewRequest(200, 10, retry_key=key), now=now)[0]
+
+    refused = decide("a", now=100.0)
+    assert refused.ttft_s == pytest.approx(0.9)
+    assert refused.refusal.reason == "ttft_slo"
+    assert refused.refusal.retry_after_s == 1
+    assert "room kept for retries" in str(refused.refusal)
+    assert decide("b", now=100.0).refusal is not None
+    assert decide("b", now=100.2).refusal is not None  # too early: judged as new, and promised again
+    back = decide("a", now=101.0)
+    assert back.refusal is None
+    assert back.honoured_retry
+    assert decide("a", now=101.5).refusal is not None  # a promise is used once
+    assert decide("b", now=101.2).honoured_retry
+    assert decide("c", now=102.0).refusal is not None  # a new request, with the same queue ahead
 
 
 def test_steps_that_failed_teach_the_model_nothing():
