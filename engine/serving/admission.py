@@ -14,7 +14,9 @@ Three parts, each fed by what the engine really does:
   time the engine then observed to the model's prediction. The median corrects the central prediction (what the
   metrics report); the 95th percentile is the margin admission uses, so that a model that runs slow or fast, or
   a step the model cannot see (preemption, a swap, a fault), tightens or loosens admission within a window of
-  requests, as a gradient concurrency limiter tightens its limit on observed latency.
+  requests, as a gradient concurrency limiter tightens its limit on observed latency. It also keeps the
+  Retry-After promises: a new request gets part of the objective, the same request back after its Retry-After
+  all of it.
 """
 
 from __future__ import annotations
@@ -161,12 +163,12 @@ def forecast(
     """Replay the scheduler (``engine.core.scheduler``) from ``snapshot``, with step times from ``model``: a step
     on the snapshot's queues and ``in_engine`` (requests the engine took since the snapshot) started ``elapsed_s``
     ago; ``arriving`` (submitted, not taken yet) and the ``new`` request join the waiting queue from the next step
-    on. Per step, as the scheduler does: the running batch in arrival order
-    gets its next token or prefill chunk under the token budget, preempting the newest running request (to the
-    swapped queue) when blocks run out; without a preemption, swapped requests come back first, and only when none
-    is left do waiting requests enter, their prompts chunked, while the free blocks stay above the reserve. A
-    request that samples its last output finishes and frees its blocks. Recompute preemption is replayed as a swap
-    (the feedback loop corrects for what it costs)."""
+    on. Per step, as the scheduler does: the running batch in arrival order gets its next token or prefill chunk
+    under the token budget, preempting the newest running request (to the swapped queue) when blocks run out;
+    without a preemption, swapped requests come back first, and only when none is left do waiting requests enter,
+    their prompts chunked, while the free blocks stay above the reserve. A request that samples its last output
+    finishes and frees its blocks. Recompute preemption is replayed as a swap (the feedback loop corrects for what
+    it costs)."""
     stats = snapshot.stats
     order = iter(range(1 << 62))
     running = [_Simulated(next(order), w, _blocks(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
