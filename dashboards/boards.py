@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dashboards.panels import RATE, SEL, Board, Panel, Query, heatmap, quantiles, rate_by
+from dashboards.panels import RATE, SEL, Board, Panel, Query, heatmap, quantile_query, quantiles, rate_by
 from dashboards.rules import guardrail_record
 from dashboards.slo import BUDGET_WINDOW, Slo
 
@@ -81,12 +81,12 @@ def engine_board() -> Board:
     predicted_vs_observed = Panel(
         "Admission: predicted and observed time to first token",
         tuple(
-            Query(f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))", f"{what} p{p}")
+            quantile_query(histogram, q, f"{what} ")
             for histogram, what in (
                 ("kvstorm:admission_predicted_ttft_seconds", "predicted"),
                 ("vllm:time_to_first_token_seconds", "observed"),
             )
-            for q, p in ((0.5, 50), (0.99, 99))
+            for q in (0.5, 0.99)
         ),
         unit="s",
         description="What admission control predicted for the requests it admitted, against what they got",

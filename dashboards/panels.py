@@ -52,19 +52,16 @@ def concrete(expr: str) -> str:
     return expr
 
 
+def quantile_query(histogram: str, q: float, legend_prefix: str = "") -> Query:
+    """The ``q`` quantile of a histogram over the rate interval, its legend ``p50``, ``p99``... after the prefix."""
+    expr = f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))"
+    return Query(expr, f"{legend_prefix}p{round(q * 100)}")
+
+
 def quantiles(histogram: str, title: str, description: str = "") -> Panel:
     """p50, p90 and p99 of a histogram."""
     return Panel(
-        title,
-        tuple(
-            Query(
-                f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))",
-                f"p{round(q * 100)}",
-            )
-            for q in (0.5, 0.9, 0.99)
-        ),
-        unit="s",
-        description=description,
+        title, tuple(quantile_query(histogram, q) for q in (0.5, 0.9, 0.99)), unit="s", description=description
     )
 
 

@@ -281,7 +281,6 @@ class LLMEngine:
             )
         return EngineSnapshot(
             stats=self.scheduler.stats(),
-            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.waiting),
             prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
             active_faults=self.faults.active(),
             last_step=self.last_step,
