@@ -69,7 +69,22 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if params.min_p > 0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return _draw(probs, generator)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index, drawn with probability proportional to ``probs`` (never one of probability zero).
+
+    Inverse transform: one uniform number against the cumulative sum. ``torch.multinomial`` draws one exponential
+    number per vocabulary entry, 0.85 ms of a 17 ms single-stream CPU step at this model's 49,152 entries; this is
+    about 0.05 ms.
+    """
+    cumulative = probs.double().cumsum(0)
+    point = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, point, right=True))
+    if index == probs.numel():  # point rounded up to the total: the last index of nonzero probability
+        index = int(probs.nonzero()[-1])
+    return index
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: Sequence[int], num_top: Sequence[int]) -> list[TokenLogprobs]:

@@ -37,6 +37,20 @@ def test_top_k_only_draws_from_the_k_most_likely():
     assert len(drawn) == 3
 
 
+def test_draws_follow_the_softmax_and_never_pick_a_banned_token():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+    params = SamplingParams(temperature=1.0, seed=5)
+    generator = make_generator(params, torch.device("cpu"))
+    draws = 20_000
+    counts = torch.zeros(5)
+    for _ in range(draws):
+        counts[sample(logits, [params], [generator], [frozenset({4})])[0]] += 1
+    expected = torch.softmax(logits[0, :4], dim=-1) * draws
+    assert counts[4] == 0
+    # Within 4 standard deviations of the binomial count, for each token.
+    assert torch.all((counts[:4] - expected).abs() <= 4 * (expected * (1 - expected / draws)).sqrt())
+
+
 def test_seed_makes_a_row_independent_of_its_batch_neighbours():
     logits = random_logits()
     seeded = SamplingParams(temperature=1.0, seed=42)
