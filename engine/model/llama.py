@@ -119,7 +119,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, metadata, backend):
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
-        return self.mlp(self.post_attn_norm(x), residual=x)
+        return self.mlp(self.post_attn_norm(x), x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -63,6 +63,24 @@ def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
     torch.testing.assert_close(PackedSwiGLU(gate, up, down)(x, residual).double(), expected, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype):
+    # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel.
+    if not packing_applies(torch.device("cpu"), dtype):
+        pytest.skip(f"this CPU cannot pack {dtype} weights")
+    generator = torch.Generator().manual_seed(1)
+    down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype))
+    mlp = PackedSwiGLU(
+        *((torch.randn(*shape, generator=generator) / 20).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),))
+    )
+    hidden = torch.randn(65, 1536, generator=generator).to(dtype)
+    x, residual = (torch.randn(65, 576, generator=generator).to(dtype) for _ in range(2))
+    for rows in (2, 3, 17, 65):
+        assert torch.equal(down(hidden[:1])[0], down(hidden[:rows])[0]), rows
+        assert torch.equal(mlp(x[:1], residual[:1])[0], mlp(x[:rows], residual[:rows])[0]), rows
+        assert torch.equal(down(hidden[rows - 1 : rows])[0], down(hidden[:rows])[rows - 1]), rows
+
+
 def cpu_flags() -> set[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
