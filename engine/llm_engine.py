@@ -39,7 +39,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop, releasable_text_end
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
-from engine.model.registry import resolve_device, resolve_dtype, resolve_model
+from engine.model.registry import describe_dtype_choice, resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.model_runner import ModelRunner
 
@@ -75,9 +75,11 @@ class LLMEngine:
         source = resolve_model(config.model)
         torch.manual_seed(config.seed)
         start = time.perf_counter()
+        dtype_choice = "the model given"
         if model is None:
             device = resolve_device(config.device)
             dtype = resolve_dtype(config.dtype, device)
+            dtype_choice = describe_dtype_choice(config.dtype, device)
             backend = make_attention_backend(config.attention_backend, device, dtype)
             model = source.load_model(dtype=dtype, device=device, backend=backend, seed=config.seed)
         parameter = next(model.parameters())
@@ -90,7 +92,7 @@ class LLMEngine:
 
         cache = config.cache
         bytes_per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        num_device_blocks = cache.kv_cache_memory // bytes_per_block
+        num_device_blocks = cache.num_kv_blocks or cache.kv_cache_memory // bytes_per_block
         if num_device_blocks < 1:
             raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes")
         num_host_blocks = cache.swap_space // bytes_per_block
@@ -112,6 +114,7 @@ class LLMEngine:
             model=config.model,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
+            dtype_choice=dtype_choice,
             max_model_len=min(
                 config.max_model_len or self.model_config.max_position_embeddings,
                 self.model_config.max_position_embeddings,

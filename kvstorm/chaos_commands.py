@@ -28,9 +28,9 @@ PROMETHEUS_HELP = (
     "dashboards over the run, drawn from it"
 )
 DEMO_EXPERIMENT = "burst-with-vram-cap"
-# A KV pool a burst on this model fills: 64 MiB holds 88 blocks of 16 tokens in float32 (about 1,400 tokens, eight
+# A KV pool a burst on this model fills: 88 blocks of 16 tokens (about 1,400 tokens, eight
 # requests of the experiment's shapes), and the experiment's 30% cap leaves 26 blocks.
-DEMO_SERVER_ARGS = ("--kv-cache-memory", "64MiB", "--swap-space", "256MiB", "--preemption-mode", "auto")
+DEMO_SERVER_ARGS = ("--num-kv-blocks", "88", "--swap-space", "256MiB", "--preemption-mode", "auto")
 
 
 def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:

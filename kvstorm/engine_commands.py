@@ -45,12 +45,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     defaults_cache, defaults_sched = CacheConfig(), SchedulerConfig()
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=DEFAULT_MODEL, help="alias, .gguf file, HF directory or random:<preset>")
-    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA and on CPUs with native bfloat16, e.g. AVX512-BF16; float32 elsewhere), float32, "
+        "bfloat16",
+    )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     group.add_argument("--attention-backend", choices=BACKENDS, default="auto")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
     group.add_argument("--block-size", type=int, default=defaults_cache.block_size, help="tokens per KV block")
     group.add_argument("--kv-cache-memory", type=parse_bytes, default="1GiB", help="device KV pool budget")
+    group.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="device KV pool in blocks, whatever the dtype (instead of --kv-cache-memory)",
+    )
     group.add_argument("--swap-space", type=parse_bytes, default="1GiB", help="host swap pool budget")
     group.add_argument("--watermark", type=float, default=defaults_cache.watermark)
     group.add_argument("--max-num-seqs", type=int, default=defaults_sched.max_num_seqs)
@@ -73,6 +84,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "max_model_len": args.max_model_len,
         "block_size": args.block_size,
         "kv_cache_memory": args.kv_cache_memory,
+        "num_kv_blocks": args.num_kv_blocks,
         "swap_space": args.swap_space,
         "watermark": args.watermark,
         "max_num_seqs": args.max_num_seqs,
@@ -125,7 +137,7 @@ def run_generate(args: argparse.Namespace) -> int:
     generate_s = time.perf_counter() - start
     sys.stdout.write("\n")
     print(
-        f"[{args.model} on {engine.info.device} {engine.info.dtype}: "
+        f"[{args.model} on {engine.info.device} {engine.info.dtype} ({engine.info.dtype_choice}): "
         f"model loaded in {engine.load_timings['model_s']:.2f} s, tokenizer in "
         f"{engine.load_timings['tokenizer_s']:.2f} s, engine ready in {load_s:.2f} s, "
         f"{request.num_prompt_tokens} prompt + {request.num_output_tokens} generated tokens in {generate_s:.2f} s "
@@ -218,8 +230,9 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = _load_off_the_main_thread(engine_config_from_args(args))
     info = engine.info
     print(
-        f"kvstorm serve: {info.model} on {info.device} in {info.dtype}, attention {info.attention_backend}, "
-        f"matmuls {info.matmul}, KV blocks of {info.block_size} tokens ({info.bytes_per_block} bytes each)",
+        f"kvstorm serve: {info.model} on {info.device} in {info.dtype} ({info.dtype_choice}), "
+        f"attention {info.attention_backend}, matmuls {info.matmul}, "
+        f"KV blocks of {info.block_size} tokens ({info.bytes_per_block} bytes each)",
         file=sys.stderr,
         flush=True,
     )
@@ -237,7 +250,7 @@ def _load_off_the_main_thread(config: EngineConfig) -> LLMEngine:
     spin-waiting once its workers outnumber the cores: each operator of the engine loop's thread would then wake its
     workers through the kernel. A main thread that loaded the engine would keep such a pool: on 2 cores a
     single-stream bfloat16 decode step took 29 ms in the server against 16 ms offline (docs/benchmarks.md,
-    "Single stream").
+    "Serving speed").
     """
     with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:
         return loader.submit(LLMEngine, config).result()

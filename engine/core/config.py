@@ -21,6 +21,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int = 1 * GiB
     swap_space: int = 1 * GiB
+    # The device pool in blocks, whatever a block weighs in the engine's dtype (instead of kv_cache_memory).
+    num_kv_blocks: int | None = None
     # Fraction of device blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
 
@@ -29,6 +31,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if not 0 <= self.watermark < 1:

@@ -203,6 +203,8 @@ class EngineInfo:
     model: str
     device: str
     dtype: str
+    # Why this dtype: "--dtype bfloat16", "auto: the CPU has avx512_bf16", ... (engine.model.registry).
+    dtype_choice: str
     max_model_len: int
     vocab_size: int
     block_size: int

@@ -7,6 +7,7 @@ model of a known shape with random weights (tests, GPU benchmarks of big shapes)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model.config import PRESETS, ModelConfig
 from engine.model.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from engine.model.llama import LlamaForCausalLM
+from engine.model.packed_linear import packing_applies
 from engine.model.safetensors_loader import iter_safetensors_weights
 from engine.model.tokenizer import Tokenizer
 
@@ -144,9 +146,50 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is float32 on CPU and bfloat16 on CUDA."""
+    """``auto``: bfloat16 on CUDA and on a CPU that multiplies bfloat16 natively (``native_bfloat16_cpu_feature``)
+    where oneDNN runs the model's bfloat16 linears; float32 on other CPUs."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if _auto_picks_bfloat16(device) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto or one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def describe_dtype_choice(name: str, device: torch.device) -> str:
+    """Why ``resolve_dtype(name, device)`` chose what it chose, in a few words (start-up line, /admin/stats)."""
+    if name != "auto":
+        return f"--dtype {name}"
+    if device.type != "cpu":
+        return f"auto: bfloat16 on {device.type}"
+    feature = native_bfloat16_cpu_feature()
+    if _auto_picks_bfloat16(device):
+        return f"auto: the CPU has {feature}"
+    if feature is None:
+        return "auto: the CPU has no native bfloat16 multiply"
+    return f"auto: the CPU has {feature} but oneDNN cannot pack bfloat16 weights here"
+
+
+def _auto_picks_bfloat16(device: torch.device) -> bool:
+    if device.type != "cpu":
+        return True
+    return native_bfloat16_cpu_feature() is not None and packing_applies(device, torch.bfloat16)
+
+
+# With one of these a CPU multiplies bfloat16 at about twice its float32 rate (AVX512-BF16 here: the roofline lines
+# of docs/benchmarks.md); without, oneDNN converts bfloat16 to float32 and gains little or nothing.
+NATIVE_BFLOAT16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16")  # x86 flags; Arm's "Features" line says bf16
+
+
+@functools.cache
+def native_bfloat16_cpu_feature() -> str | None:
+    """The first feature of ``NATIVE_BFLOAT16_FEATURES`` that /proc/cpuinfo lists; None without one (or off Linux)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    features: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            features.update(value.split())
+    return next((feature for feature in NATIVE_BFLOAT16_FEATURES if feature in features), None)

@@ -10,8 +10,12 @@ The engine (scheduler, block pools, model runner) is only touched by the engine
 thread; the event loop talks to it through the lock-protected inbox. A thread,
 not a process: torch releases the GIL in its kernels, so the HTTP side keeps
 answering during a step, and outputs cross as Python objects with no
-serialization; docs/benchmarks.md ("Serving overhead") measures what the HTTP
-side costs the engine.
+serialization; docs/benchmarks.md ("Serving speed") measures what the HTTP
+side costs the engine. Whoever builds the engine for a server loads it on a
+thread that then exits (``kvstorm serve`` does): torch's OpenMP pool of a
+thread that ran a parallel operator lives as long as the thread, and a second
+pool beside the engine thread's own makes every operator wake its workers
+through the kernel.
 
 Back-pressure: a stream holds at most ``max_buffered_outputs`` outputs its
 consumer has not taken. A client that reads slower than the engine generates

@@ -12,7 +12,7 @@ from chaos.runner import resolve_experiment
 from kvstorm.bench.doc import BenchReport
 
 DEFAULT_EXPERIMENT = "swap-pressure-slow-host-link"
-DEFAULT_SERVER_ARGS = "--kv-cache-memory 64MiB --swap-space 256MiB"
+DEFAULT_SERVER_ARGS = "--num-kv-blocks 88 --swap-space 256MiB"
 
 
 def add_bench_preemption_modes_parser(bench_subparsers: argparse._SubParsersAction) -> None:

@@ -19,6 +19,7 @@ def make_engine(num_blocks: int = 24, num_host_blocks: int = 16, **scheduler: ob
     config = EngineConfig(
         model="random:tiny",
         device="cpu",
+        dtype="float32",  # BYTES_PER_BLOCK's
         cache=CacheConfig(
             block_size=BLOCK_SIZE,
             kv_cache_memory=num_blocks * BYTES_PER_BLOCK,
@@ -33,6 +34,18 @@ def make_engine(num_blocks: int = 24, num_host_blocks: int = 16, **scheduler: ob
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pool_given_in_blocks_has_that_many_whatever_a_block_weighs(dtype):
+    config = EngineConfig(
+        model="random:tiny", device="cpu", dtype=dtype, cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=20)
+    )
+    engine = LLMEngine(config)
+    assert engine.stats().num_device_blocks == 20
+    assert engine.info.bytes_per_block == kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, getattr(torch, dtype))
+    with pytest.raises(ValueError, match="num_kv_blocks must be >= 1, got 0"):
+        CacheConfig(num_kv_blocks=0)
 
 
 def test_requests_that_can_never_fit_are_rejected_with_the_numbers():

@@ -11,7 +11,7 @@ def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_adm
     command = [
         sys.executable, "-m", "kvstorm", "bench", "--no-docs", "goodput", "--capacity", "2", "--multiples", "1,4",
         "--duration", "8s", "--input-len", "fixed:128", "--output-len", "fixed:16", "--ttft-slo", "2s",
-        "--warm-up", "0s", "--server-args", "--kv-cache-memory 32MiB --swap-space 64MiB",
+        "--warm-up", "0s", "--server-args", "--dtype float32 --kv-cache-memory 32MiB --swap-space 64MiB",
         "--results-dir", str(tmp_path),
     ]  # fmt: skip
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -44,7 +44,7 @@ def test_bad_arguments_exit_2_with_a_message():
 def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
     result_file = tmp_path / "offline.json"
     result = run_kvstorm(
-        "bench", "--no-docs", "offline", "--model", "random:tiny", "--attention-backend", "torch",
+        "bench", "--no-docs", "offline", "--model", "random:tiny", "--attention-backend", "torch", "--dtype", "float32",
         "--num-requests", "3", "--kv-cache-memory", "512KiB", "--static-batch-sizes", "", "--no-continuous",
         "--json", str(result_file),
     )  # fmt: skip

@@ -20,6 +20,7 @@ def run(backend: str) -> tuple[list[list[int]], int]:
     llm = LLM(
         "random:tiny",
         device="cpu",
+        dtype="float32",  # BYTES_PER_BLOCK's
         attention_backend=backend,
         block_size=BLOCK_SIZE,
         kv_cache_memory=14 * BYTES_PER_BLOCK,

@@ -92,8 +92,9 @@ def metric_value(exposition: str, name: str, **labels: str) -> float:
 
 
 def make_tiny_engine(**options) -> LLMEngine:
-    """The tiny random-weight model (no tokenizer: prompts are token ids), for tests where text does not matter."""
-    options = {"kv_cache_memory": 8 << 20, "swap_space": 0, **options}
+    """The tiny random-weight model (no tokenizer: prompts are token ids), for tests where text does not matter; in
+    float32, whose block sizes the tests' byte budgets count."""
+    options = {"kv_cache_memory": 8 << 20, "swap_space": 0, "dtype": "float32", **options}
     return LLM("random:tiny", device="cpu", block_size=BLOCK_SIZE, **options).engine
 
 
