@@ -1,16 +1,21 @@
-"""Serving overhead: the w1 workload through `kvstorm serve` (SSE streams) against the offline engine, same run.
+"""Serving speed: w1 through `kvstorm serve` against the offline engine and the matmul roofline, and a single
+stream, in bfloat16 and float32, one run.
 
-Both run in child processes with the same engine options, the offline engine
-first and last with the server between (this machine's speed drifts; the ratio
-uses the faster offline run, so drift cannot flatter the server). The offline
-engine steps with every request submitted at once; the server gets all requests
-at once as concurrent streams from the load generator (loadgen, greedy, exact
-output lengths, every stream checked), and its throughput is output tokens over
-the time from the first send to the last [DONE]. The ratio
-says what the HTTP side costs the engine (the engine loop runs in a thread of
-the server process). Writes the "serving-overhead" section of docs/benchmarks.md.
+Per dtype, each part in its own child process with the same engine options:
 
-    .venv/bin/python scripts/bench_serve.py [--num-requests 64]
+- w1-throughput: the offline engine first and last with the server between (this machine's speed drifts; the ratio
+  uses the faster offline run, so drift cannot flatter the server). The server (admission off: it would refuse
+  part of a burst this size) gets every request at once as concurrent SSE streams from the load generator
+  (greedy, exact output lengths, every stream checked); its throughput is output tokens over the time from the
+  first send to the last [DONE]. The roofline is the fastest square matmul in that dtype, measured in both
+  offline children, before and after their run (the best counts).
+- Single stream: the offline engine decoding one request (128-token prompt, 256 tokens, greedy), then the server
+  with one request at a time (128 / 128 tokens, sampled at temperature 1 as a client's default) and with Poisson
+  arrivals at 1 request/s (128 / 64 tokens, 30 s).
+
+Writes the "serving-overhead" section of docs/benchmarks.md.
+
+    .venv/bin/python scripts/bench_serve.py [--num-requests 128] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -18,93 +23,229 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
+import socket
 import sys
 import time
+from dataclasses import dataclass
 
+from chaos.processes import ManagedServer
 from kvstorm.bench.doc import update_section
 from kvstorm.bench.process import run_child
-from kvstorm.bench.w1 import w1_throughput
-from loadgen.analysis import LatencyStats, Summary, summarize
+from kvstorm.bench.w1 import count_flops, w1_throughput
+from loadgen.analysis import Summary, summarize
+from loadgen.benchmark import run_benchmark
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome
+from loadgen.results import RunConfig
 from loadgen.runner import run_open_loop
 from loadgen.workloads import PlannedRequest
 
-ENGINE_ARGS = ["--model", "smollm2-135m", "--kv-cache-memory", "4GiB", "--swap-space", "0", "--max-num-seqs", "256"]
+MODEL = "smollm2-135m"
+ENGINE_ARGS = ["--model", MODEL, "--kv-cache-memory", "4GiB", "--swap-space", "0", "--max-num-seqs", "256"]
 OFFLINE_SCRIPT = """
-import json, sys
-from kvstorm.bench.offline import run_kvstorm
+import json, sys, time
+import torch
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLM
+from engine.model.registry import resolve_dtype
+from kvstorm.bench.offline import measure_matmul_gflops, run_kvstorm
 from kvstorm.bench.w1 import w1_throughput
-options = dict(kv_cache_memory=4 << 30, swap_space=0, max_num_seqs=256)
-print("RESULT", json.dumps(run_kvstorm(w1_throughput(int(sys.argv[1])), options)))
+part, dtype, num_requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cpu = torch.device("cpu")
+if part == "w1":
+    roofline = max(measure_matmul_gflops(cpu, resolve_dtype(dtype, cpu)).values())
+    options = dict(dtype=dtype, kv_cache_memory=4 << 30, swap_space=0, max_num_seqs=256)
+    result = run_kvstorm(w1_throughput(num_requests), options)
+    roofline = max(roofline, *measure_matmul_gflops(cpu, resolve_dtype(dtype, cpu)).values())
+    print("RESULT", json.dumps({"tokens_per_s": result["output_tokens"] / result["elapsed_s"], "roofline": roofline}))
+else:
+    llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=256 << 20, swap_space=0)
+    engine = llm.engine
+    engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))
+    engine.step()  # the prefill and the first token
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    print("RESULT", json.dumps({"tokens_per_s": steps / (time.perf_counter() - start)}))
 """
 
 
-def run_offline(num_requests: int) -> float:
-    child = run_child([sys.executable, "-c", OFFLINE_SCRIPT, str(num_requests)])
-    result = json.loads(child.output.split("RESULT ", 1)[1])
-    return result["output_tokens"] / result["elapsed_s"]
+@dataclass
+class DtypeResult:
+    dtype: str
+    offline_first: float
+    served: Summary
+    offline_last: float
+    roofline_gflops: float
+    offline_single_stream: float
+    one_at_a_time: Summary
+    one_per_second: Summary
+
+    @property
+    def offline(self) -> float:
+        return max(self.offline_first, self.offline_last)
 
 
-async def run_streams(url: str, num_requests: int) -> Summary:
+def run_offline(part: str, dtype: str, num_requests: int = 0) -> dict:
+    child = run_child([sys.executable, "-c", OFFLINE_SCRIPT, part, dtype, str(num_requests)])
+    if child.exit_code != 0 or "RESULT " not in child.output:
+        raise RuntimeError(f"offline {part} in {dtype} failed:\n{child.output[-2000:]}")
+    return json.loads(child.output.split("RESULT ", 1)[1])
+
+
+async def run_w1_streams(url: str, num_requests: int) -> Summary:
     """All of w1 at once through the load generator (greedy, exact output lengths, every stream checked)."""
     workload = w1_throughput(num_requests)
     plan = [
         PlannedRequest(index=i, offset_s=0.0, path="/v1/completions", body={"prompt": prompt}, max_tokens=max_tokens)
         for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
     ]
-    client = StreamingClient(
-        url, "smollm2-135m", request_timeout_s=3600, stall_timeout_s=3600, extra_body={"temperature": 0}
-    )
+    client = StreamingClient(url, MODEL, request_timeout_s=3600, stall_timeout_s=3600, extra_body={"temperature": 0})
     async with client:
         records, timing = await run_open_loop(plan, client)
-    broken = [r for r in records if r.outcome is not Outcome.OK]
-    if broken:
-        raise RuntimeError(f"{len(broken)} of {num_requests} streams failed, e.g. {broken[0].error}")
-    return summarize(records, timing.duration_s)
+    return checked(summarize(records, timing.duration_s), records)
 
 
-def run_served(num_requests: int) -> Summary:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvstorm", "serve", *ENGINE_ARGS, "--port", "0"], stderr=subprocess.PIPE, text=True
+def run_low_load(url: str, arrival: str, num_requests: int | None, duration_s: float, output_len: int) -> Summary:
+    config = RunConfig(
+        base_url=url,
+        model=MODEL,
+        arrival=arrival,
+        workload="random",
+        input_len="fixed:128",
+        output_len=f"fixed:{output_len}",
+        num_requests=num_requests,
+        duration_s=duration_s,
+        max_concurrency=1 if num_requests else None,
+        request_timeout_s=600,
+        stall_timeout_s=60,
+        exact_output=True,
+        seed=1,
+        slo=None,
     )
+    result = asyncio.run(run_benchmark(config, show_progress=False))
+    return checked(result.summary, result.records)
+
+
+def checked(summary: Summary, records) -> Summary:
+    failed = [r for r in records if r.outcome is not Outcome.OK]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(records)} streams failed, e.g. {failed[0].error}")
+    return summary
+
+
+def serve(dtype: str) -> tuple[ManagedServer, str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    # Admission off: w1 sends everything at once, which a TTFT objective would rightly refuse in part.
+    command = ["kvstorm", "serve", *ENGINE_ARGS, "--dtype", dtype, "--ttft-slo", "off", "--port", str(port)]
+    server = ManagedServer(command, f"{url}/ready")
+    server.start()
+    return server, url
+
+
+def measure(dtype: str, num_requests: int) -> DtypeResult:
+    print(f"[bench serve] {dtype}: w1 offline, served, offline; then a single stream", file=sys.stderr, flush=True)
+    first = run_offline("w1", dtype, num_requests)
+    server, url = serve(dtype)
     try:
-        url = next(line.strip().rsplit(" ", 1)[-1] for line in server.stderr if "listening on " in line)
-        return asyncio.run(run_streams(url, num_requests))
+        served = asyncio.run(run_w1_streams(url, num_requests))
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
+    last = run_offline("w1", dtype, num_requests)
+    single = run_offline("single", dtype)
+    server, url = serve(dtype)
+    try:
+        one_at_a_time = run_low_load(url, "constant:rate=100", 6, 600, output_len=128)
+        one_per_second = run_low_load(url, "poisson:rate=1", None, 30, output_len=64)
+    finally:
+        server.stop()
+    return DtypeResult(
+        dtype=dtype,
+        offline_first=first["tokens_per_s"],
+        served=served,
+        offline_last=last["tokens_per_s"],
+        roofline_gflops=max(first["roofline"], last["roofline"]),
+        offline_single_stream=single["tokens_per_s"],
+        one_at_a_time=one_at_a_time,
+        one_per_second=one_per_second,
+    )
 
 
-def percentiles(stats: LatencyStats) -> str:
-    return " / ".join(f"{value * 1000:.0f}" for value in (stats.p50, stats.p90, stats.p99))
+def render(results: list[DtypeResult], num_requests: int) -> str:
+    from engine.model.registry import resolve_model
+
+    workload = w1_throughput(num_requests)
+    nominal_flop = count_flops(resolve_model(MODEL).load_config(), workload).nominal
+    output_tokens = workload.num_output_tokens
+
+    def roofline_share(tokens_per_s: float, result: DtypeResult) -> str:
+        return f"{nominal_flop * tokens_per_s / output_tokens / 1e9 / result.roofline_gflops:.0%}"
+
+    w1_rows = []
+    for r in results:
+        w1_rows += [
+            f"| {r.dtype} | offline engine (first) | {r.offline_first:.1f} | {roofline_share(r.offline_first, r)} | |",
+            f"| {r.dtype} | served (HTTP + SSE) | {r.served.output_token_throughput:.1f} "
+            f"| {roofline_share(r.served.output_token_throughput, r)} "
+            f"| **{r.served.output_token_throughput / r.offline:.0%}** |",
+            f"| {r.dtype} | offline engine (last) | {r.offline_last:.1f} | {roofline_share(r.offline_last, r)} | |",
+        ]
+    stream_rows = [
+        f"| {r.dtype} | {r.offline_single_stream:.1f} ({1000 / r.offline_single_stream:.1f} ms) "
+        f"| {ms(r.one_at_a_time.tpot.p50)} | {ms(r.one_at_a_time.ttft.p50)} "
+        f"| {ms(r.one_per_second.tpot.p50)} / {ms(r.one_per_second.tpot.p99)} "
+        f"| {ms(r.one_per_second.ttft.p50)} / {ms(r.one_per_second.ttft.p99)} | {r.one_per_second.peak_in_flight} |"
+        for r in results
+    ]
+    rooflines = "; ".join(f"{r.dtype} {r.roofline_gflops:.0f} GFLOP/s" for r in results)
+    dtypes = ",".join(r.dtype for r in results)
+    return "\n".join(
+        [
+            "## Serving speed (`scripts/bench_serve.py`)",
+            "",
+            f"w1-throughput ({num_requests} requests, {workload.num_prompt_tokens} prompt + {output_tokens} output "
+            f"tokens, greedy, exact lengths) through `kvstorm serve` (admission off) as {num_requests} concurrent SSE "
+            "streams sent at once, against the offline engine with the same options (4 GiB KV, up to 256 running) "
+            "in the same run, SmolLM2-135M on this machine's CPU. Share of roofline: the workload's "
+            f"{nominal_flop / 1e12:.2f} TFLOP (2 x parameters per token plus attention) over the wall time, against "
+            f"the fastest square matmul in that dtype measured in the same run ({rooflines}).",
+            "",
+            "| dtype | run | output tok/s | share of roofline | served / faster offline |",
+            "|---|---|---|---|---|",
+            *w1_rows,
+            "",
+            "Single stream: the offline engine decoding one request (128-token prompt, 256 tokens, greedy); the "
+            "server with one request at a time (128 / 128 tokens, six requests, temperature 1), and with Poisson "
+            "arrivals at 1 request/s for 30 s (128 / 64 tokens). Milliseconds.",
+            "",
+            "| dtype | offline decode tok/s | served alone: TPOT p50 | TTFT p50 | 1 req/s: TPOT p50 / p99 "
+            "| TTFT p50 / p99 | peak in flight |",
+            "|---|---|---|---|---|---|---|",
+            *stream_rows,
+            "",
+            f"Reproduce: `.venv/bin/python scripts/bench_serve.py --num-requests {num_requests} --dtypes {dtypes}` "
+            f"({time.strftime('%Y-%m-%d')})",
+        ]
+    )
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated")
     parser.add_argument("--no-docs", action="store_true")
     args = parser.parse_args()
-    offline_first = run_offline(args.num_requests)
-    summary = run_served(args.num_requests)
-    served = summary.output_token_throughput
-    offline_last = run_offline(args.num_requests)
-    offline = max(offline_first, offline_last)
-    markdown = (
-        "## Serving overhead (`scripts/bench_serve.py`)\n\n"
-        f"w1-throughput, {args.num_requests} requests as {args.num_requests} concurrent SSE streams through "
-        "`kvstorm serve` (engine loop in a thread of the server process), against the offline engine with the same "
-        "options in the same run; float32 on this machine's CPU, SmolLM2-135M.\n\n"
-        "| run | output tok/s |\n|---|---|\n"
-        f"| offline engine (first) | {offline_first:.1f} |\n| served (HTTP + SSE) | {served:.1f} |\n"
-        f"| offline engine (last) | {offline_last:.1f} |\n\n"
-        f"Served / faster offline run: **{served / offline:.0%}**. "
-        f"TTFT p50 / p90 / p99: {percentiles(summary.ttft)} ms; ITL p50 / p90 / p99: {percentiles(summary.itl)} ms "
-        "(all requests arrive at once, so TTFT includes the queue behind every other prompt).\n\n"
-        f"Reproduce: `.venv/bin/python scripts/bench_serve.py --num-requests {args.num_requests}` "
-        f"({time.strftime('%Y-%m-%d')})"
-    )
+    results = [measure(dtype, args.num_requests) for dtype in args.dtypes.split(",")]
+    markdown = render(results, args.num_requests)
     print(markdown)
     if not args.no_docs:
         update_section("serving-overhead", markdown)
