@@ -46,7 +46,7 @@ def add_bench_goodput_parser(bench_subparsers: argparse._SubParsersAction) -> No
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument(
         "--server-args",
-        default="--kv-cache-memory 96MiB --swap-space 1GiB --preemption-mode auto",
+        default="--num-kv-blocks 136 --swap-space 1GiB --preemption-mode auto",
         help="kvstorm serve's arguments besides port, model and admission",
     )
     parser.add_argument("--input-len", default="fixed:256")

@@ -85,7 +85,7 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
         "peak_used_blocks": peak_used_blocks,
         "num_device_blocks": stats.num_device_blocks,
         "block_size": info.block_size,
-        "kv_cache_memory": engine.config.cache.kv_cache_memory,
+        "kv_cache_memory": stats.num_device_blocks * info.bytes_per_block,  # also when sized in blocks
         "bytes_per_block": info.bytes_per_block,
         "num_preemptions": stats.num_preemptions,
         "attention_backend": info.attention_backend,
@@ -262,10 +262,10 @@ def render_markdown(data: dict, results: list[SystemResult], config: ModelConfig
         )
     lines = [
         f"Workload w1-throughput: {data['num_requests']} requests, {data['prompt_tokens']} prompt + "
-        f"{data['output_tokens']} output tokens, greedy, ignore_eos, all submitted at once; {data['dtype']} on "
-        f"{data['device']} ({data['threads']} torch threads), model {data['model']}. kvstorm runs first and last "
-        "(the machine's speed drifts); speed-ups and the roofline fraction use the slower kvstorm run. kvstorm's "
-        "peak RSS includes its preallocated KV pool.",
+        f"{data['output_tokens']} output tokens, greedy, ignore_eos, all submitted at once; kvstorm in "
+        f"{data['dtype']}, transformers in float32, on {data['device']} ({data['threads']} torch threads), model "
+        f"{data['model']}. kvstorm runs first and last (the machine's speed drifts); speed-ups and the roofline "
+        "fraction use the slower kvstorm run. kvstorm's peak RSS includes its preallocated KV pool.",
         "",
         "| system | wall s | output tok/s | total tok/s | peak RSS MiB | kvstorm speed-up (output tok/s) |",
         "|---|---|---|---|---|---|",
