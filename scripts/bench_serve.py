@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 from dataclasses import dataclass
 
-from chaos.processes import ManagedServer
+from chaos.processes import ManagedServer, free_port
 from kvstorm.bench.doc import update_section
 from kvstorm.bench.process import run_child
 from kvstorm.bench.w1 import count_flops, w1_throughput
@@ -137,9 +136,7 @@ def checked(summary: Summary, records) -> Summary:
 
 
 def serve(dtype: str) -> tuple[ManagedServer, str]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # Admission off: w1 sends everything at once, which a TTFT objective would rightly refuse in part.
     command = ["kvstorm", "serve", *ENGINE_ARGS, "--dtype", dtype, "--ttft-slo", "off", "--port", str(port)]

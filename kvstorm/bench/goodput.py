@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import shlex
-import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ import aiohttp
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from chaos.processes import ManagedServer
+from chaos.processes import ManagedServer, free_port
 from kvstorm.bench.doc import BenchReport
 from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark
@@ -154,7 +153,7 @@ class _Bench:
 
     def _run(self, admission: str, rate: float) -> tuple[RunResult, float | None, list[bool]]:
         args = self.args
-        port = _free_port()
+        port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         command = [
             "kvstorm", "serve", "--port", str(port), "--model", args.model, "--ttft-slo", admission,
@@ -243,12 +242,6 @@ async def _ratio_buckets(session: aiohttp.ClientSession, base_url: str) -> dict[
             le = labels.split('le="', 1)[1].split('"', 1)[0]
             buckets[le] = float(value)
     return buckets or None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _ms(value_s: float | None) -> str:
