@@ -477,6 +477,7 @@ def _remaining_work(requests: list[Request]) -> tuple[RemainingWork, ...]:
             num_tokens=r.num_tokens,
             num_computed_tokens=r.num_computed_tokens,
             num_remaining_outputs=r.sampling_params.max_tokens - r.num_output_tokens,
+            place_in_line_ts=r.place_in_line_ts,
         )
         for r in requests
     )

@@ -176,6 +176,8 @@ class RemainingWork(NamedTuple):
     num_computed_tokens: int
     # Outputs still to come at most (max_tokens less those produced).
     num_remaining_outputs: int
+    # Its place in the scheduler's queues (``Request.place_in_line_ts``).
+    place_in_line_ts: float
 
 
 @dataclass(frozen=True)

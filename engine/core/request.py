@@ -46,6 +46,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_ts: float = field(default_factory=time.monotonic)
+    # A request sent again after the Retry-After it was refused with: its first attempt's arrival, which keeps its
+    # place in line (ahead of the requests that arrived since); None for any other request.
+    first_attempt_ts: float | None = None
     # Set by the scheduler: breaks ties between equal arrival times in submission order.
     submission_index: int = 0
     # Token ids that end the request unless sampling_params.ignore_eos (the tokenizer's EOS ids).
@@ -61,6 +64,11 @@ class Request:
     finished_ts: float | None = None
     # The stop token id or stop string that ended the request, if one did.
     stop_reason: int | str | None = None
+
+    @property
+    def place_in_line_ts(self) -> float:
+        """What the scheduler's queues are ordered by: the arrival, or the first attempt's for a retry."""
+        return self.arrival_ts if self.first_attempt_ts is None else self.first_attempt_ts
 
     @property
     def num_prompt_tokens(self) -> int:

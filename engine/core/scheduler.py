@@ -315,8 +315,9 @@ class Scheduler:
 
 
 def _insert_in_order(queue: list[Request], request: Request) -> None:
-    """Every queue is ordered by arrival; requests that arrived at the same instant keep submission order."""
-    bisect.insort(queue, request, key=lambda r: (r.arrival_ts, r.submission_index))
+    """Every queue is ordered by arrival (a retry's first attempt, ``Request.place_in_line_ts``); requests that
+    arrived at the same instant keep submission order."""
+    bisect.insort(queue, request, key=lambda r: (r.place_in_line_ts, r.submission_index))
 
 
 def _ids(requests: Iterable[Request]) -> set[str]:

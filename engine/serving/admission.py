@@ -15,13 +15,15 @@ Three parts, each fed by what the engine really does:
   metrics report); the 95th percentile is the margin admission uses, so that a model that runs slow or fast, or
   a step the model cannot see (preemption, a swap, a fault), tightens or loosens admission within a window of
   requests, as a gradient concurrency limiter tightens its limit on observed latency. It also keeps the
-  Retry-After promises: a new request gets part of the objective, the same request back after its Retry-After
-  all of it.
+  Retry-After promises: the same request back after its Retry-After takes its place in line from its first
+  attempt (ahead of the requests that arrived since) and may use the whole objective, where a new request gets
+  part of it.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import threading
 import time
@@ -117,6 +119,8 @@ class NewRequest:
     max_tokens: int
     # The same for the same request sent again (a hash of its body): how a retry is recognised.
     retry_key: str | None = None
+    # Its place in the scheduler's queues (``Request.place_in_line_ts``); infinity: behind every request there.
+    place_in_line_ts: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,12 @@ TPOT_DECODES = 8
 
 
 class _Simulated:
-    """A request in the forecast: ``order`` is its place in arrival order (the scheduler's queues keep it)."""
+    """A request in the forecast: ``order`` is its place in line (the scheduler's queues keep it), with the order
+    the forecast was given the requests in to break ties."""
 
     __slots__ = ("blocks", "computed", "is_new", "order", "remaining", "tokens")
 
-    def __init__(self, order: int, work: RemainingWork, blocks: int, is_new: bool = False) -> None:
+    def __init__(self, order: tuple[float, int], work: RemainingWork, blocks: int, is_new: bool = False) -> None:
         self.order = order
         self.tokens = work.num_tokens
         self.computed = work.num_computed_tokens
@@ -163,29 +168,36 @@ def forecast(
     """Replay the scheduler (``engine.core.scheduler``) from ``snapshot``, with step times from ``model``: a step
     on the snapshot's queues and ``in_engine`` (requests the engine took since the snapshot) started ``elapsed_s``
     ago; ``arriving`` (submitted, not taken yet) and the ``new`` request join the waiting queue from the next step
-    on. Per step, as the scheduler does: the running batch in arrival order gets its next token or prefill chunk
+    on, each at its place in line. Per step, as the scheduler does: the running batch in arrival order gets its
+    next token or prefill chunk
     under the token budget, preempting the newest running request (to the swapped queue) when blocks run out;
     without a preemption, swapped requests come back first, and only when none is left do waiting requests enter,
     their prompts chunked, while the free blocks stay above the reserve. A request that samples its last output
     finishes and frees its blocks. Recompute preemption is replayed as a swap (the feedback loop corrects for what
     it costs)."""
     stats = snapshot.stats
-    order = iter(range(1 << 62))
-    running = [_Simulated(next(order), w, _blocks(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
-    swapped = [_Simulated(next(order), w, 0) for w in snapshot.swapped_work]
-    waiting = [_Simulated(next(order), w, 0) for w in (*snapshot.waiting_work, *in_engine)]
-    later = [_Simulated(next(order), w, 0) for w in arriving]
-    later.append(_Simulated(next(order), RemainingWork(new.num_prompt_tokens, 0, new.max_tokens), 0, is_new=True))
+    given = iter(range(1 << 62))
+
+    def simulated(work: RemainingWork, blocks: int = 0, is_new: bool = False) -> _Simulated:
+        return _Simulated((work.place_in_line_ts, next(given)), work, blocks, is_new)
+
+    running = [simulated(w, _blocks(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
+    swapped = [simulated(w) for w in snapshot.swapped_work]
+    waiting = sorted((simulated(w) for w in (*snapshot.waiting_work, *in_engine)), key=_order)
+    later = [simulated(w) for w in arriving]
+    new_work = RemainingWork(new.num_prompt_tokens, 0, new.max_tokens, new.place_in_line_ts)
+    later.append(simulated(new_work, is_new=True))
     free = stats.num_free_device_blocks
     if not running and not swapped and not waiting:  # an idle engine runs no step now: the new one is in the next
-        waiting, later = later, []
+        waiting, later = sorted(later, key=_order), []
     t = -elapsed_s if later else 0.0
     queue_s = ttft_s = None
     new_finished = False
     decode_steps: list[float] = []
     for step in range(FORECAST_MAX_STEPS):
         if step == 1 and later:
-            waiting.extend(later)
+            for request in later:
+                _insert(waiting, request)
             t = max(t, 0.0)  # the step in progress may be late
         budget, seats = stats.max_num_batched_tokens_now, stats.max_num_seqs_now
         batch: list[tuple[_Simulated, int]] = []
@@ -254,8 +266,12 @@ def forecast(
     )
 
 
+def _order(request: _Simulated) -> tuple[float, int]:
+    return request.order
+
+
 def _insert(queue: list[_Simulated], request: _Simulated) -> None:
-    bisect.insort(queue, request, key=lambda r: r.order)
+    bisect.insort(queue, request, key=_order)
 
 
 def _blocks(num_tokens: int, block_size: int) -> int:
@@ -265,13 +281,18 @@ def _blocks(num_tokens: int, block_size: int) -> int:
 @dataclass(frozen=True)
 class Decision:
     """``ttft_s`` and ``queue_s`` are the corrected central predictions; ``refusal`` is None when admitted;
-    ``honoured_retry``: the request came back after the Retry-After it was given."""
+    ``first_attempt_ts``: the request came back after the Retry-After it was given, and this is when it first
+    asked (its place in line, ``Request.first_attempt_ts``); None for a new request."""
 
     ttft_s: float
     queue_s: float
     tpot_s: float | None
     refusal: AdmissionRefused | None
-    honoured_retry: bool = False
+    first_attempt_ts: float | None = None
+
+    @property
+    def honoured_retry(self) -> bool:
+        return self.first_attempt_ts is not None
 
 
 class AdmissionController:
@@ -283,16 +304,18 @@ class AdmissionController:
     # Ratios kept: at the rates where admission matters, about the last half minute of first tokens.
     WINDOW = 100
     # A new request must be predicted within this share of the TTFT objective; a request that comes back after
-    # the Retry-After it was given may use the whole objective. The queue then stays short of the objective by the
-    # rest, room kept for retries, so a Retry-After is a promise a retrying client finds kept, while fresh arrivals
-    # alone keep the engine just as busy (under overload the queue never empties: goodput does not depend on how
-    # long it is).
+    # the Retry-After it was given takes its place in line from its first attempt and may use the whole objective.
+    # The rest is room kept for retries: a retry goes ahead of the requests admitted since its first attempt, and
+    # they still meet the objective. Under overload fresh arrivals alone keep the engine just as busy (the queue
+    # never empties: goodput does not depend on how long it is).
     FRESH_SHARE = 0.85
     # How long after its Retry-After a refused request is still recognised as a retry; how many are remembered.
     PROMISE_GRACE_S = 30.0
     MAX_PROMISES = 10_000
-    # Ratios needed before they replace the defaults (1.0 central, 1.25 margin).
+    # Ratios needed before they replace the defaults (1.0 central, 1.25 margin); the share of the TTFT objective a
+    # prediction must reach for its ratio to be kept.
     MIN_RATIOS = 10
+    MIN_KEPT_SHARE = 0.1
     TAIL_QUANTILE = 0.95
 
     def __init__(self, limits: AdmissionLimits, block_size: int, prefill_tokens_per_s: float) -> None:
@@ -301,7 +324,9 @@ class AdmissionController:
         self.model = StepTimeModel.from_prefill_throughput(prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._ratios: deque[float] = deque(maxlen=self.WINDOW)
-        self._promises: OrderedDict[str, float] = OrderedDict()  # retry key -> when its Retry-After ends
+        self._min_kept_prediction_s = 0.0 if limits.ttft_slo_s is None else self.MIN_KEPT_SHARE * limits.ttft_slo_s
+        # Retry key -> when its Retry-After ends, when it first asked.
+        self._promises: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
     def observe_iteration(self, step: StepStats, wall_s: float) -> None:
         """One loop iteration that ran a step: the model learns its wall time (step, deliveries, bookkeeping)."""
@@ -312,8 +337,11 @@ class AdmissionController:
 
     def observe_first_token(self, model_ttft_s: float, observed_ttft_s: float) -> None:
         """An admitted request's first token came ``observed_ttft_s`` after it arrived; the uncorrected model had
-        predicted ``model_ttft_s``."""
-        if model_ttft_s > 0 and math.isfinite(model_ttft_s):
+        predicted ``model_ttft_s``. A prediction under a tenth of the TTFT objective teaches the margin nothing:
+        there a few steps' jitter is the whole prediction (0.16 s predicted, 0.40 s observed on a fresh server),
+        and such ratios, kept for a window of requests, would hold the margin at twice what predictions near the
+        objective need."""
+        if self._min_kept_prediction_s <= model_ttft_s < math.inf and model_ttft_s > 0:
             with self._lock:
                 self._ratios.append(observed_ttft_s / model_ttft_s)
 
@@ -339,7 +367,10 @@ class AdmissionController:
         the arguments are ``forecast``'s, and ``now`` the monotonic clock (Retry-After promises)."""
         limits = self.limits
         now = time.monotonic() if now is None else now
-        honoured_retry = self._claim_promise(new.retry_key, now)
+        first_attempt_ts = self._claim_promise(new.retry_key, now)
+        honoured_retry = first_attempt_ts is not None
+        if honoured_retry:
+            new = dataclasses.replace(new, place_in_line_ts=first_attempt_ts)
         stats = snapshot.stats
         with self._lock:
             predicted = forecast(snapshot, in_engine, arriving, new, self.block_size, self.model, elapsed_s)
@@ -361,32 +392,37 @@ class AdmissionController:
                 f"exceeds the objective of {limits.ttft_slo_s:g} s"
                 + ("" if honoured_retry else f" with room kept for retries ({self.FRESH_SHARE:.0%} of it for new ones)")
             )
-            # When a retry would fit the whole objective: the excess over it drains at the predicted pace.
+            # When it would fit the whole objective from this place in line: the excess drains at the predicted pace.
             refusal = _refusal("ttft_slo", message, tail_ttft_s - limits.ttft_slo_s)
-            self._promise(new.retry_key, now + refusal.retry_after_s)
+            first_asked = now if first_attempt_ts is None else first_attempt_ts
+            self._promise(new.retry_key, now + refusal.retry_after_s, first_asked)
         elif limits.tpot_slo_s is not None and predicted.tpot_s is not None and predicted.tpot_s > limits.tpot_slo_s:
             message = (
                 f"predicted time per output token {predicted.tpot_s * 1e3:.0f} ms exceeds the objective of "
                 f"{limits.tpot_slo_s * 1e3:g} ms"
             )
             refusal = _refusal("tpot_slo", message, queue_s)
-        decision = Decision(ttft_s, queue_s, predicted.tpot_s, refusal, honoured_retry)
+        decision = Decision(ttft_s, queue_s, predicted.tpot_s, refusal, first_attempt_ts)
         return decision, predicted.ttft_s
 
-    def _claim_promise(self, retry_key: str | None, now: float) -> bool:
-        """Whether ``retry_key`` was refused before and comes back after its Retry-After (the promise is used)."""
+    def _claim_promise(self, retry_key: str | None, now: float) -> float | None:
+        """When ``retry_key`` first asked, if it was refused and comes back after its Retry-After (the promise is
+        used); None otherwise."""
         with self._lock:
-            due = self._promises.get(retry_key) if retry_key is not None else None
-            if due is None or now < due - 0.5 or now > due + self.PROMISE_GRACE_S:
-                return False
+            promise = self._promises.get(retry_key) if retry_key is not None else None
+            if promise is None:
+                return None
+            due, first_attempt_ts = promise
+            if now < due - 0.5 or now > due + self.PROMISE_GRACE_S:
+                return None
             del self._promises[retry_key]
-            return True
+            return first_attempt_ts
 
-    def _promise(self, retry_key: str | None, due: float) -> None:
+    def _promise(self, retry_key: str | None, due: float, first_attempt_ts: float) -> None:
         if retry_key is None:
             return
         with self._lock:
-            self._promises[retry_key] = due
+            self._promises[retry_key] = (due, first_attempt_ts)
             self._promises.move_to_end(retry_key)
             while len(self._promises) > self.MAX_PROMISES:
                 self._promises.popitem(last=False)

@@ -157,6 +157,7 @@ class AsyncEngine:
             self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:
             raise decision.refusal
+        request.first_attempt_ts = decision.first_attempt_ts
         self.metrics.observe_admitted(decision.ttft_s)
         stream = RequestStream(request)
         stream.model_ttft_s, stream.predicted_ttft_s = model_ttft_s, decision.ttft_s
@@ -412,7 +413,7 @@ class AsyncEngine:
 
 def _work(request: Request) -> RemainingWork:
     """A request not yet scheduled, as admission's forecast sees it."""
-    return RemainingWork(request.num_tokens, 0, request.sampling_params.max_tokens)
+    return RemainingWork(request.num_tokens, 0, request.sampling_params.max_tokens, request.place_in_line_ts)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:

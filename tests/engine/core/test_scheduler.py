@@ -67,6 +67,20 @@ def test_running_decodes_come_first_then_new_prompts_in_arrival_order():
     assert [s.num_new_tokens for s in output.scheduled] == [1, 1, 1, 8, 8]
 
 
+def test_a_retry_takes_its_place_in_line_from_its_first_attempt():
+    """A request sent again after its Retry-After carries its first attempt's arrival: it is admitted ahead of
+    the requests that arrived after that attempt, behind those that arrived before it."""
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=8)
+    before, after = make_request(prompt_len=8), make_request(prompt_len=8)
+    retry = make_request(prompt_len=8)
+    retry.first_attempt_ts = (before.arrival_ts + after.arrival_ts) / 2
+    assert before.arrival_ts < retry.first_attempt_ts < after.arrival_ts < retry.arrival_ts
+    for request in (before, after, retry):
+        scheduler.add_request(request)
+    admitted = [fake_step(scheduler)[0].scheduled[-1].request_id for _ in range(3)]
+    assert admitted == [before.request_id, retry.request_id, after.request_id]
+
+
 def test_finished_request_leaves_in_its_step_and_its_place_is_refilled_next_step():
     scheduler = make_scheduler(num_blocks=64, max_num_seqs=2)
     short, long_, waiting = make_request(4, max_tokens=1), make_request(4, max_tokens=5), make_request(4)

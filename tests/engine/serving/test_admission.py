@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 
 import numpy as np
 import pytest
@@ -124,12 +125,29 @@ def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
     assert tail == pytest.approx(3.0)
     decision, _ = controller.decide(snapshot, 0.0, [], [], new)
     assert decision.ttft_s == pytest.approx(0.15)
-    busier = controller.decide(snapshot, 0.0, [], [RemainingWork(2000, 0, 10)], new)[0]
+    busier = controller.decide(snapshot, 0.0, [], [RemainingWork(2000, 0, 10, place_in_line_ts=math.inf)], new)[0]
     assert busier.refusal is not None
     assert busier.refusal.reason == "ttft_slo"
     assert busier.refusal.retry_after_s == math.ceil(busier.ttft_s - 0.3)
     assert "exceeds the objective of 0.3 s" in str(busier.refusal)
     assert controller.ttft_limit_s() == pytest.approx(0.3 * AdmissionController.FRESH_SHARE / 3)
+
+
+def test_predictions_far_below_the_objective_do_not_set_the_margin():
+    """On a fresh server the first requests are predicted at a few steps and arrive a few steps late (ratios of
+    2-2.5); kept, they would double the margin for a window of requests. Under a tenth of the objective they are
+    not kept: the margin comes from predictions near the objective."""
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=5.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    for _ in range(AdmissionController.MIN_RATIOS):
+        controller.observe_first_token(0.16, 0.40)
+    assert controller.corrections() == (1.0, 1.25)  # the defaults: nothing kept
+    for _ in range(AdmissionController.MIN_RATIOS):
+        controller.observe_first_token(3.0, 3.3)
+    assert controller.corrections() == pytest.approx((1.1, 1.1))
+    without_objective = AdmissionController(AdmissionLimits(), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    for _ in range(AdmissionController.MIN_RATIOS):
+        without_objective.observe_first_token(0.16, 0.40)
+    assert without_objective.corrections() == pytest.approx((2.5, 2.5))  # the metrics' central correction
 
 
 def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objective():
@@ -160,6 +178,35 @@ def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objec
     assert decide("c", now=102.0).refusal is not None  # a new request, with the same queue ahead
 
 
+def test_a_retry_goes_ahead_of_the_requests_that_arrived_since_its_first_attempt():
+    """Refused and told to come back in 1 s; meanwhile three requests arrive that put a new request past the
+    objective. The retry takes its place in line from its first attempt, ahead of them, as the scheduler will
+    place it: admitted, with the first attempt's time to hand to the engine. A new request at the same moment is
+    refused."""
+    engine = make_tiny_engine(max_num_batched_tokens=256)
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller.model = StepTimeModel((0.18, 0.0, 0.0))  # 5 steps ahead of a new request: 0.9 s
+    for _ in range(AdmissionController.WINDOW):
+        controller.observe_first_token(1.0, 1.0)
+    first_attempt = time.monotonic()
+    assert first_attempt > max(w.place_in_line_ts for w in snapshot.waiting_work)
+
+    def decide(key: str, now: float, arriving: list[RemainingWork]):
+        return controller.decide(snapshot, 0.0, [], arriving, NewRequest(200, 10, retry_key=key), now=now)[0]
+
+    refused = decide("a", first_attempt, [])
+    assert refused.refusal.retry_after_s == 1
+    since = [RemainingWork(200, 0, 10, place_in_line_ts=first_attempt + 0.5)] * 3
+    back = decide("a", first_attempt + 1.0, since)
+    assert back.refusal is None
+    assert back.first_attempt_ts == first_attempt
+    assert back.ttft_s == pytest.approx(0.9)
+    new = decide("c", first_attempt + 1.0, since)
+    assert new.refusal is not None
+    assert new.ttft_s == pytest.approx(0.18 * 7)  # behind the three, where the retry would have been
+
+
 def test_steps_that_failed_teach_the_model_nothing():
     controller = AdmissionController(AdmissionLimits(), BLOCK_SIZE, prefill_tokens_per_s=1000.0)
     before = controller.model.coefficients
@@ -175,7 +222,7 @@ def test_a_predicted_tpot_over_its_objective_is_refused():
     controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), BLOCK_SIZE, prefill_tokens_per_s=1e6)
     controller.model = StepTimeModel((0.005, 0.0, 0.001))  # 7 decodes: 12 ms a step
     assert controller.decide(snapshot, 0.0, [], [], NewRequest(10, 20))[0].refusal is None
-    arriving = [RemainingWork(10, 0, 100)] * 10  # 17 decodes: 22 ms a step
+    arriving = [RemainingWork(10, 0, 100, place_in_line_ts=math.inf)] * 10  # 17 decodes: 22 ms a step
     decision = controller.decide(snapshot, 0.0, [], arriving, NewRequest(10, 20))[0]
     assert decision.refusal is not None
     assert decision.refusal.reason == "tpot_slo"
