@@ -124,6 +124,7 @@ class LLMEngine:
             bytes_per_block=bytes_per_block,
             attention_backend=model.backend.name,
             matmul=self.runner.matmul,
+            layer_ops=self.runner.layer_ops,
         )
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
         self.last_step: StepStats | None = None

@@ -17,12 +17,14 @@ from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
 from engine.sampling import compute_logprobs, make_generator, sample
+from kernels.cpu_extension import CPU_KERNEL_DTYPES, cpu_kernels_available
 
 
 class ModelRunner:
     """Owns the model, the device KV cache, the host swap cache and each request's random stream; raises the
     engine's faults (``engine.faults``) where a device would. On the CPU it prepacks the model's linear weights
-    for oneDNN (in place: a model handed to a runner serves inference only from then on)."""
+    for oneDNN and runs its norms and rotary embeddings through the compiled kernels where they build (in place: a
+    model handed to a runner serves inference only from then on)."""
 
     def __init__(
         self,
@@ -41,6 +43,11 @@ class ModelRunner:
         if packing_applies(self.device, parameter.dtype):
             model.pack_linear_weights()
             self.matmul = "onednn-packed"
+        # "cpu-kernels" or "torch": how RMSNorm and rotary embeddings run (reported with the matmuls).
+        self.layer_ops = "torch"
+        if self.device.type == "cpu" and parameter.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available():
+            model.use_cpu_kernels()
+            self.layer_ops = "cpu-kernels"
         self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)
         self.host_cache = PagedKVCache(
             model.config,

@@ -231,7 +231,7 @@ def run_serve(args: argparse.Namespace) -> int:
     info = engine.info
     print(
         f"kvstorm serve: {info.model} on {info.device} in {info.dtype} ({info.dtype_choice}), "
-        f"attention {info.attention_backend}, matmuls {info.matmul}, "
+        f"attention {info.attention_backend}, matmuls {info.matmul}, norms and rotary {info.layer_ops}, "
         f"KV blocks of {info.block_size} tokens ({info.bytes_per_block} bytes each)",
         file=sys.stderr,
         flush=True,

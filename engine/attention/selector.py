@@ -8,10 +8,10 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from kernels.cpu_decode_attention import cpu_kernels_available, paged_decode_attention_cpu
+from kernels.cpu_decode_attention import paged_decode_attention_cpu
+from kernels.cpu_extension import CPU_KERNEL_DTYPES, cpu_kernels_available
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
-CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -214,3 +214,5 @@ class EngineInfo:
     attention_backend: str
     # How the linear layers multiply: "onednn-packed" or "torch".
     matmul: str
+    # How RMSNorm and rotary embeddings run: "cpu-kernels" or "torch".
+    layer_ops: str

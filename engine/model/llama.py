@@ -18,6 +18,14 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
 from engine.model.config import ModelConfig
 from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers
+from kernels.cpu_layer_ops import rms_norm_cpu, rotate_heads_cpu_
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 whatever the activation dtype, as the reference implementation does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +33,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The function that normalises: ``rms_norm``, or a compiled kernel with its contract (``use_cpu_kernels``).
+        self.kernel = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the activation dtype, as the reference implementation does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -66,6 +73,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def rotate_heads_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """Rotary embeddings of the first ``num_heads`` heads of each row of ``qkv`` [T, width], in place: the query
+    and key heads of a fused projection, which share each position's angles."""
+    heads = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    heads.copy_(apply_rotary(heads, cos, sin))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -73,6 +87,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        # ``rotate_heads_``, or a compiled kernel with its contract (``LlamaForCausalLM.use_cpu_kernels``).
+        self.rotate_heads_ = rotate_heads_
 
     def forward(
         self,
@@ -84,9 +100,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         c = self.config
-        q, k, v = self.qkv_proj(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        self.rotate_heads_(qkv, cos, sin, c.num_heads + c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.num_heads, c.head_dim)
+        k = k.view(-1, c.num_kv_heads, c.head_dim)
         v = v.view(-1, c.num_kv_heads, c.head_dim)
         out = backend.forward(q, k, v, kv_cache, metadata, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(-1, c.q_size))
@@ -166,6 +184,16 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_layers(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight)
+
+    def use_cpu_kernels(self, enabled: bool = True) -> None:
+        """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same
+        roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer. ``False``
+        goes back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = rms_norm_cpu if enabled else rms_norm
+            elif isinstance(module, Attention):
+                module.rotate_heads_ = rotate_heads_cpu_ if enabled else rotate_heads_
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

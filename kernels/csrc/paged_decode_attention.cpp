@@ -137,7 +137,3 @@ void paged_decode_attention(
                      seq_lens, scale);
   }
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 cache, CPU)");
-}

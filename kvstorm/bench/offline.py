@@ -90,6 +90,7 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
         "num_preemptions": stats.num_preemptions,
         "attention_backend": info.attention_backend,
         "matmul": info.matmul,
+        "layer_ops": info.layer_ops,
         "device": info.device,
         "dtype": info.dtype,
     }

@@ -54,6 +54,7 @@ def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
     assert kvstorm["output_tokens"] == data["output_tokens"]  # ignore_eos: every request ran to its length
     assert kvstorm["details"]["attention_backend"] == "torch"  # the backend it was asked for, by its flag name
     assert kvstorm["details"]["matmul"] == "onednn-packed"  # float32 on this torch's CPU build
+    assert kvstorm["details"]["layer_ops"] == "cpu-kernels"  # whatever the attention backend
     assert set(data["matmul_gflops"]) == {"torch.mm", "onednn-packed"}
     assert (
         kvstorm["details"]["num_preemptions"] > 0
