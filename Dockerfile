@@ -6,7 +6,7 @@ FROM python:3.11-slim-bookworm
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
 
-# g++ builds the CPU attention kernel on first use (for the machine it runs on: -march=native).
+# g++ builds the CPU kernels (attention, norms, rotary) on first use (for the machine it runs on: -march=native).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*

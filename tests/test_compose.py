@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import jsonschema
@@ -184,6 +185,36 @@ def test_the_dockerfile_passes_hadolint_and_copies_only_what_exists():
         assert source in kept, f"COPY {source}: .dockerignore leaves it out of the build context"
     packages = re.search(r"include = \[(.*?)\]", (REPO / "pyproject.toml").read_text())[1]
     assert {p.strip('" *') for p in packages.split(",")} <= set(copied), "every package the install needs"
+
+
+def test_the_images_install_carries_every_data_file_the_code_reads(tmp_path):
+    """The image installs kvstorm with ``pip install .`` from its build context, not editable: the C++ sources the
+    CPU kernels are built from on first use, the chat corpus, the experiments and the promtool rules must be in
+    the wheel built from that context."""
+    context = tmp_path / "context"
+    for kept in (line[1:] for line in (REPO / ".dockerignore").read_text().splitlines() if line.startswith("!")):
+        source = REPO / kept
+        if source.is_dir():
+            shutil.copytree(source, context / kept, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            (context / kept).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(source, context / kept)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=context, check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("kvstorm-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        packaged = set(archive.namelist())
+    needed = [
+        *(REPO / "kernels" / "csrc").glob("*.cpp"),
+        REPO / "loadgen" / "corpus.txt",
+        *(REPO / "chaos" / "experiments").glob("*.yaml"),
+        *(REPO / "dashboards" / "promtool").glob("*.yml"),
+    ]
+    assert len(needed) > 6
+    missing = [str(path.relative_to(REPO)) for path in needed if str(path.relative_to(REPO)) not in packaged]
+    assert not missing, f"not in the wheel: {missing}"
 
 
 # ---- what can run here: the services as processes -----------------------------------------------------------------
