@@ -169,12 +169,11 @@ def forecast(
     on the snapshot's queues and ``in_engine`` (requests the engine took since the snapshot) started ``elapsed_s``
     ago; ``arriving`` (submitted, not taken yet) and the ``new`` request join the waiting queue from the next step
     on, each at its place in line. Per step, as the scheduler does: the running batch in arrival order gets its
-    next token or prefill chunk
-    under the token budget, preempting the newest running request (to the swapped queue) when blocks run out;
-    without a preemption, swapped requests come back first, and only when none is left do waiting requests enter,
-    their prompts chunked, while the free blocks stay above the reserve. A request that samples its last output
-    finishes and frees its blocks. Recompute preemption is replayed as a swap (the feedback loop corrects for what
-    it costs)."""
+    next token or prefill chunk under the token budget, preempting the newest running request (to the swapped
+    queue) when blocks run out; without a preemption, swapped requests come back first, and only when none is left
+    do waiting requests enter, their prompts chunked, while the free blocks stay above the reserve. A request that
+    samples its last output finishes and frees its blocks. Recompute preemption is replayed as a swap (the
+    feedback loop corrects for what it costs)."""
     stats = snapshot.stats
     given = iter(range(1 << 62))
 

@@ -150,15 +150,21 @@ def test_predictions_far_below_the_objective_do_not_set_the_margin():
     assert without_objective.corrections() == pytest.approx((2.5, 2.5))  # the metrics' central correction
 
 
-def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objective():
-    """New requests get 85% of the TTFT objective, one that honours its Retry-After all of it: the room kept is
-    what makes the Retry-After true under sustained overload, where fresh arrivals would take any freed capacity."""
-    engine = make_tiny_engine(max_num_batched_tokens=256)
-    snapshot = _busy_snapshot(engine)
+def _one_second_objective_behind_a_busy_engine():
+    """A snapshot with 5 steps of 0.18 s ahead of a new request (0.9 s), and a controller with a 1 s TTFT objective
+    whose corrections are 1."""
+    snapshot = _busy_snapshot(make_tiny_engine(max_num_batched_tokens=256))
     controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
-    controller.model = StepTimeModel((0.18, 0.0, 0.0))  # 5 steps ahead of a new request: 0.9 s
+    controller.model = StepTimeModel((0.18, 0.0, 0.0))
     for _ in range(AdmissionController.WINDOW):
         controller.observe_first_token(1.0, 1.0)
+    return snapshot, controller
+
+
+def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objective():
+    """New requests get 85% of the TTFT objective, one that honours its Retry-After all of it (the room kept is for
+    retries, which go ahead of requests admitted after their first attempt); a promise is used once."""
+    snapshot, controller = _one_second_objective_behind_a_busy_engine()
 
     def decide(key: str, now: float):
         return controller.decide(snapshot, 0.0, [], [], NewRequest(200, 10, retry_key=key), now=now)[0]
@@ -183,12 +189,7 @@ def test_a_retry_goes_ahead_of_the_requests_that_arrived_since_its_first_attempt
     objective. The retry takes its place in line from its first attempt, ahead of them, as the scheduler will
     place it: admitted, with the first attempt's time to hand to the engine. A new request at the same moment is
     refused."""
-    engine = make_tiny_engine(max_num_batched_tokens=256)
-    snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
-    controller.model = StepTimeModel((0.18, 0.0, 0.0))  # 5 steps ahead of a new request: 0.9 s
-    for _ in range(AdmissionController.WINDOW):
-        controller.observe_first_token(1.0, 1.0)
+    snapshot, controller = _one_second_objective_behind_a_busy_engine()
     first_attempt = time.monotonic()
     assert first_attempt > max(w.place_in_line_ts for w in snapshot.waiting_work)
 
