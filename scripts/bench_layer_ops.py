@@ -42,23 +42,21 @@ def per_call_us(work, calls: int = 2000) -> float:
 
 
 def op_table(dtypes: list[str]) -> list[str]:
-    table = ["| op | dtype | rows | pure torch, µs per call | CPU kernel, µs per call |", "|---|---|---|---|---|"]
+    table = ["| op | dtype | pure torch, µs per call | CPU kernel, µs per call |", "|---|---|---|---|"]
     for name in dtypes:
         dtype = getattr(torch, name)
-        for rows in (1,):
-            x, weight, qkv = torch.randn(rows, 576, dtype=dtype), torch.randn(576, dtype=dtype), torch.randn(rows, 960)
-            qkv = qkv.to(dtype)
-            cos, sin = RotaryEmbedding(64, 100000.0)(torch.arange(rows), dtype)
-            pairs = {
-                "RMSNorm": (partial(rms_norm, x, weight, 1e-5), partial(rms_norm_cpu, x, weight, 1e-5)),
-                "rotary, 12 heads": (
-                    partial(rotate_heads_, qkv, cos, sin, 12, 64),
-                    partial(rotate_heads_cpu_, qkv, cos, sin, 12, 64),
-                ),
-            }
-            for op, (reference, kernel) in pairs.items():
-                table.append(f"| {op} | {name} | {rows} | {per_call_us(reference):.1f} | {per_call_us(kernel):.1f} |")
-                print(table[-1], flush=True)
+        x, weight, qkv = (torch.randn(*shape).to(dtype) for shape in ((1, 576), (576,), (1, 960)))
+        cos, sin = RotaryEmbedding(64, 100000.0)(torch.arange(1), dtype)
+        pairs = {
+            "RMSNorm": (partial(rms_norm, x, weight, 1e-5), partial(rms_norm_cpu, x, weight, 1e-5)),
+            "rotary, 12 heads": (
+                partial(rotate_heads_, qkv, cos, sin, 12, 64),
+                partial(rotate_heads_cpu_, qkv, cos, sin, 12, 64),
+            ),
+        }
+        for op, (reference, kernel) in pairs.items():
+            table.append(f"| {op} | {name} | {per_call_us(reference):.1f} | {per_call_us(kernel):.1f} |")
+            print(table[-1], flush=True)
     return table
 
 
