@@ -17,7 +17,7 @@ from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
 from engine.sampling import compute_logprobs, make_generator, sample
-from kernels.cpu_extension import CPU_KERNEL_DTYPES, cpu_kernels_available
+from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 
 
 class ModelRunner:
@@ -45,7 +45,7 @@ class ModelRunner:
             self.matmul = "onednn-packed"
         # "cpu-kernels" or "torch": how RMSNorm and rotary embeddings run (reported with the matmuls).
         self.layer_ops = "torch"
-        if self.device.type == "cpu" and parameter.dtype in CPU_KERNEL_DTYPES and cpu_kernels_available():
+        if cpu_kernels_apply(self.device, parameter.dtype) and cpu_kernels_available():
             model.use_cpu_kernels()
             self.layer_ops = "cpu-kernels"
         self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)

@@ -18,6 +18,11 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def cpu_kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels take tensors of this device and dtype (not whether they build: ``cpu_kernels_available``)."""
+    return device.type == "cpu" and dtype in CPU_KERNEL_DTYPES
+
+
 @functools.cache
 def compiled_kernels() -> ModuleType:
     """Build (first time on this machine, then from cache) and load the C++ kernels."""

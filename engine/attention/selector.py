@@ -9,7 +9,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels.cpu_decode_attention import paged_decode_attention_cpu
-from kernels.cpu_extension import CPU_KERNEL_DTYPES, cpu_kernels_available
+from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -27,7 +27,7 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) 
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    cpu_applies = device.type == "cpu" and dtype in CPU_KERNEL_DTYPES
+    cpu_applies = cpu_kernels_apply(device, dtype)
     if name == "cpu" and not cpu_applies:
         raise ValueError(f"the cpu attention backend needs float32 or bfloat16 on the CPU, not {dtype} on {device}")
     if name == "cpu" or (name == "auto" and cpu_applies and cpu_kernels_available()):

@@ -340,7 +340,7 @@ class AdmissionController:
         there a few steps' jitter is the whole prediction (0.16 s predicted, 0.40 s observed on a fresh server),
         and such ratios, kept for a window of requests, would hold the margin at twice what predictions near the
         objective need."""
-        if self._min_kept_prediction_s <= model_ttft_s < math.inf and model_ttft_s > 0:
+        if 0 < model_ttft_s < math.inf and model_ttft_s >= self._min_kept_prediction_s:
             with self._lock:
                 self._ratios.append(observed_ttft_s / model_ttft_s)
 

@@ -1,7 +1,7 @@
 // The element-wise work of a decoder layer in one pass each, on the CPU: RMSNorm and rotary embeddings. In eager
 // PyTorch each is 8-16 operator calls of a few microseconds, about 900 of them per decode step of a 30-layer
 // model, more than the arithmetic of a small batch. Each row is computed alone, in the same order whatever the
-// number of rows, and with the reference's roundings (kernels/reference.py, engine/model/llama.py): float32
+// number of rows, and with the roundings of engine/model/llama.py's rms_norm and rotate_heads_: float32
 // arithmetic, every intermediate the reference rounds to the activation dtype rounded here too.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
