@@ -4,8 +4,12 @@ The scripted server (its own process) streams every ok request with TTFT 150 ms 
 on top (see ``FAULT_SLOTS``): a 400 ms stall at a known token, a connection cut after token 7, a stall longer than
 the stall timeout, no [DONE], no finish reason, a usage count one too high, a chunk after the finish reason, a
 silence longer than the request timeout, 503, keep-alive comments, and a 429 for every tenth request. The server
-stamps each token after writing it on the same monotonic clock as the client, so the test checks the client twice:
-against what the server really did (per token) and against the script (percentiles within 5 ms).
+stamps each request's arrival and each token after writing it on the same monotonic clock as the client, so the
+truth is what the server really did, not what it was told to do: under 200 streams on two cores the server keeps its
+script only to a few milliseconds, and a request takes up to 5 ms from the client's send to the server's first read
+(connection set-up on a busy event loop), which is part of the TTFT a user sees. The test checks the client per token
+against the server's stamps, and its TTFT / ITL / E2E / TPOT percentiles against the same percentiles of the server's
+timeline (within 5 ms), timed from the client's send stamp, which must precede the server's arrival stamp.
 
 The machine is shared: even at real-time priority a neighbour's compile can hold the CPU for tens of milliseconds
 (the kernel reserves CPU time for ordinary tasks), and a virtual machine's host can take its CPUs away for as long.
@@ -62,22 +66,22 @@ def client_vs_server_errors_ms(result: RunResult, log: dict[str, dict]) -> np.nd
     )
 
 
-def scripted_latencies_ms(result: RunResult, log: dict[str, dict]) -> dict[str, np.ndarray]:
-    """What the script says each ok request's TTFT, ITL, E2E and TPOT are."""
-    ok = [r for r in result.records if r.outcome is Outcome.OK]
-    itl, e2e = [], []
-    for record in ok:
-        gaps = [GAP_MS] * (NUM_TOKENS - 1)
-        if log[record.request_id]["fault"] == "stall_ok":
-            gaps[STALL_BEFORE_TOKEN["stall_ok"] - 1] += STALL_MS
-        itl += gaps
-        e2e.append(TTFT_MS + sum(gaps))
-    e2e_array = np.asarray(e2e)
+def true_latencies_ms(result: RunResult, log: dict[str, dict]) -> dict[str, np.ndarray]:
+    """Each ok request's TTFT, ITL, E2E and TPOT from the server's write stamps, from the client's send stamp."""
+    ttft, itl, e2e = [], [], []
+    for record in result.records:
+        if record.outcome is Outcome.OK:
+            sent_ts = result.start_ts + record.sent_s
+            written_ts = np.asarray(log[record.request_id]["token_send_ts"])
+            ttft.append((written_ts[0] - sent_ts) * 1e3)
+            itl.append(np.diff(written_ts) * 1e3)
+            e2e.append((written_ts[-1] - sent_ts) * 1e3)
+    ttft_array, e2e_array = np.asarray(ttft), np.asarray(e2e)
     return {
-        "ttft": np.full(len(ok), TTFT_MS),
-        "itl": np.asarray(itl),
+        "ttft": ttft_array,
+        "itl": np.concatenate(itl),
         "e2e": e2e_array,
-        "tpot": (e2e_array - TTFT_MS) / (NUM_TOKENS - 1),
+        "tpot": (e2e_array - ttft_array) / (NUM_TOKENS - 1),
     }
 
 
@@ -85,16 +89,22 @@ def timing_deviations_ms(result: RunResult, log: dict[str, dict]) -> dict[str, f
     """Every timing check of this module as (name -> absolute deviation in ms); each must stay under 5 ms."""
     errors = client_vs_server_errors_ms(result, log)
     deviations = {"client_vs_server_p99": float(np.percentile(np.abs(errors), 99))}
-    for metric, scripted in scripted_latencies_ms(result, log).items():
+    for metric, truth in true_latencies_ms(result, log).items():
         stats = getattr(result.summary, metric)
         for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
-            deviations[f"{metric}_{name}"] = abs(getattr(stats, name) * 1e3 - float(np.percentile(scripted, q)))
-    gap_index = STALL_BEFORE_TOKEN["stall_ok"] - 1  # the gap that ends at the stalled token
+            deviations[f"{metric}_{name}"] = abs(getattr(stats, name) * 1e3 - float(np.percentile(truth, q)))
     for record in result.records:
         if log[record.request_id]["fault"] == "stall_ok":
-            measured = record.itl_s[gap_index] * 1e3
-            deviations[f"stall_{record.request_id}"] = abs(measured - (GAP_MS + STALL_MS))
+            deviations[f"stall_{record.request_id}"] = abs(_stall_gap_ms(record) - _stall_gap_ms(record, log))
     return deviations
+
+
+def _stall_gap_ms(record, log: dict[str, dict] | None = None) -> float:
+    """The gap that ends at the stalled token: as the client measured it, or with LOG as the server wrote it."""
+    gap_index = STALL_BEFORE_TOKEN["stall_ok"] - 1
+    if log is None:
+        return record.itl_s[gap_index] * 1e3
+    return float(np.diff(log[record.request_id]["token_send_ts"])[gap_index] * 1e3)
 
 
 @pytest.fixture(scope="module")
@@ -149,22 +159,30 @@ def test_client_times_match_the_servers_actual_send_times(accurate_run):
     assert np.percentile(np.abs(errors_ms), 99) < TOLERANCE_MS
 
 
-def test_percentiles_match_the_script_within_5ms(accurate_run):
+def test_every_send_stamp_precedes_the_servers_arrival_stamp(truth_runs):
+    """A send stamp taken late (after the connection, or after the headers came back) would shorten every TTFT."""
+    for result, log in truth_runs:
+        early_ms = [(log[r.request_id]["received_ts"] - (result.start_ts + r.sent_s)) * 1e3 for r in result.records]
+        assert min(early_ms) > 0
+
+
+def test_percentiles_match_the_servers_timeline_within_5ms(accurate_run):
     result, log = accurate_run
-    scripted = scripted_latencies_ms(result, log)
-    assert scripted["itl"].max() == GAP_MS + STALL_MS  # the known stall is in the comparison
-    for metric, values in scripted.items():
+    truth = true_latencies_ms(result, log)
+    assert truth["itl"].max() > GAP_MS + STALL_MS - TOLERANCE_MS  # the known stall is in the comparison
+    assert abs(float(np.median(truth["ttft"])) - TTFT_MS) < TOLERANCE_MS  # and the server ran its script
+    for metric, values in truth.items():
         stats = getattr(result.summary, metric)
         for name, q in (("p50", 50), ("p90", 90), ("p99", 99)):
-            measured_ms, scripted_ms = getattr(stats, name) * 1e3, float(np.percentile(values, q))
-            assert abs(measured_ms - scripted_ms) < TOLERANCE_MS, (metric, name, measured_ms, scripted_ms)
+            measured_ms, true_ms = getattr(stats, name) * 1e3, float(np.percentile(values, q))
+            assert abs(measured_ms - true_ms) < TOLERANCE_MS, (metric, name, measured_ms, true_ms)
 
 
 def test_the_known_stall_is_measured_at_its_token(accurate_run):
     result, log = accurate_run
     stalled = [r for r in result.records if log[r.request_id]["fault"] == "stall_ok"]
     assert len(stalled) == 4
-    gap_index = STALL_BEFORE_TOKEN["stall_ok"] - 1
     for record in stalled:
-        assert int(np.argmax(record.itl_s)) == gap_index
-        assert abs(record.itl_s[gap_index] * 1e3 - (GAP_MS + STALL_MS)) < TOLERANCE_MS
+        assert int(np.argmax(record.itl_s)) == STALL_BEFORE_TOKEN["stall_ok"] - 1
+        assert _stall_gap_ms(record, log) > GAP_MS + STALL_MS - TOLERANCE_MS  # the server did stall there
+        assert abs(_stall_gap_ms(record) - _stall_gap_ms(record, log)) < TOLERANCE_MS
