@@ -70,6 +70,21 @@ class AttentionMetadata:
         )
 
     @functools.cached_property
+    def row_contexts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For every row of the step: its sequence, and how many tokens of that sequence's context it attends to
+        (its own position + 1), as int64 tensors [T], for backends that attend every row alike.
+
+        Built on first use (by the first layer) and shared by the others.
+        """
+        device = self.slot_mapping.device
+        starts = torch.tensor(self.query_start_loc_cpu, dtype=torch.int64)
+        row_seqs = torch.repeat_interleave(torch.arange(len(self.seq_lens_cpu)), starts[1:] - starts[:-1])
+        # A sequence's last row sees its whole context; each row before it one token less.
+        rows_after = starts[1:][row_seqs] - 1 - torch.arange(len(row_seqs))
+        row_lens = torch.tensor(self.seq_lens_cpu, dtype=torch.int64)[row_seqs] - rows_after
+        return row_seqs.to(device), row_lens.to(device)
+
+    @functools.cached_property
     def prefill_batch(self) -> PrefillBatch:
         """The prefill chunks as their own packed batch, for backends that attend them in one launch.
 

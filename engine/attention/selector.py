@@ -7,15 +7,15 @@ import os
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from kernels.cpu_decode_attention import paged_decode_attention_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """``torch``: pure PyTorch (the reference). ``cpu``: torch prefill + the compiled paged decode kernel
+    """``torch``: pure PyTorch (the reference). ``cpu``: the compiled kernel for every row, decode and prefill
     (float32 or bfloat16 on CPU). ``triton``: the Triton kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``).
     ``auto``: ``triton`` on CUDA; on the CPU ``cpu`` where it applies and builds, else ``torch``."""
     if name not in BACKENDS:
@@ -31,5 +31,5 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype) 
     if name == "cpu" and not cpu_applies:
         raise ValueError(f"the cpu attention backend needs float32 or bfloat16 on the CPU, not {dtype} on {device}")
     if name == "cpu" or (name == "auto" and cpu_applies and cpu_kernels_available()):
-        return TorchAttentionBackend(decode_kernel=paged_decode_attention_cpu)
+        return CpuAttentionBackend()
     return TorchAttentionBackend()

@@ -1,17 +1,15 @@
-"""Attention over the paged KV cache with PyTorch ops (the reference, and the CPU default).
+"""Attention over the paged KV cache with PyTorch ops (the reference, and the CPU fallback where the compiled
+kernel does not apply or build).
 
-Decodes (one new token each) are attended in one batch by a pluggable decode
-kernel: the pure-torch reference (gather blocks, padded SDPA) or the compiled
-CPU kernel that reads blocks in place. Prefill chunks attend one sequence at a
-time with SDPA, straight from the new K/V when nothing of the sequence is
-cached yet.
+Decodes (one new token each) are attended in one batch (gather blocks, padded SDPA). Prefill chunks attend one
+sequence at a time with SDPA, straight from the new K/V when nothing of the sequence is cached yet.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionMetadata, DecodeKernel, KVCacheLayer, attend_decodes
+from engine.attention.backend import AttentionMetadata, KVCacheLayer, attend_decodes
 from kernels.reference import (
     causal_attention,
     copy_blocks_reference,
@@ -25,11 +23,7 @@ class TorchAttentionBackend:
     """Writes K/V into the paged cache, then attends: decodes in one batch, prefill chunks one by one."""
 
     copy_blocks = staticmethod(copy_blocks_reference)
-
-    def __init__(self, decode_kernel: DecodeKernel = paged_decode_attention_reference) -> None:
-        self.decode_kernel = decode_kernel
-        # What --attention-backend names this path: the compiled CPU decode kernel, or the pure-torch reference.
-        self.name = "torch" if decode_kernel is paged_decode_attention_reference else "cpu"
+    name = "torch"
 
     def forward(
         self,
@@ -42,7 +36,7 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         reshape_and_cache_reference(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         out = torch.empty_like(q)
-        attend_decodes(self.decode_kernel, q, kv_cache, metadata, scale, out)
+        attend_decodes(paged_decode_attention_reference, q, kv_cache, metadata, scale, out)
         block_size = kv_cache[0].shape[1]
         for i in metadata.prefill_indices:
             rows = slice(metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1])

@@ -1,13 +1,16 @@
 // The Python module of kvstorm's CPU kernels (kernels/cpu_extension.py builds it from every source here).
 #include <torch/extension.h>
 
-void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
+#include <optional>
+
+void paged_attention(torch::Tensor out, torch::Tensor q, std::optional<torch::Tensor> q_bf16, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor row_seqs,
+                     torch::Tensor row_lens, double scale);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (float32 or bfloat16 cache, CPU)");
+  m.def("paged_attention", &paged_attention, "attention of query rows over the paged cache (float32 or bfloat16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 sums, the reference's roundings)");
   m.def("rotate_heads_", &rotate_heads_, "rotate-half rotary embeddings of a row's first heads, in place");
 }

@@ -13,13 +13,13 @@ import random
 import pytest
 import torch
 
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.core.config import PreemptionMode
 from engine.core.outputs import ScheduledRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model_runner import ModelRunner
-from kernels.cpu_decode_attention import paged_decode_attention_cpu
 
 TEXT = (
     "The history of computing is a story of memory. Early machines stored a few thousand words in "
@@ -51,8 +51,15 @@ def workload(real_tokenizer):
     return prompts, params
 
 
+@pytest.fixture(scope="module")
+def real_model_bfloat16(real_source):
+    """The real model in bfloat16 with the compiled CPU attention, as ``kvstorm serve`` runs it on this CPU (the
+    first engine packs its weights)."""
+    return real_source.load_model(dtype=torch.bfloat16, device="cpu", backend=CpuAttentionBackend())
+
+
 def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionMode, **faults: int):
-    bytes_per_block = kv_cache_bytes_per_block(real_model.config, BLOCK_SIZE, torch.float32)
+    bytes_per_block = kv_cache_bytes_per_block(real_model.config, BLOCK_SIZE, next(real_model.parameters()).dtype)
     llm = LLM(
         tokenizer=real_tokenizer,
         loaded_model=real_model,
@@ -72,15 +79,30 @@ def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionM
     return completions, llm.engine
 
 
-@pytest.fixture(scope="module")
-def reference(real_model, real_tokenizer, workload):
-    completions, engine = run(real_model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE)
+def ample_pool_run(model, real_tokenizer, workload):
+    completions, engine = run(model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE)
     assert not engine.preemption_log
     return completions
 
 
-def test_swap_preemption_is_bit_identical(real_model, real_tokenizer, workload, reference):
-    completions, engine = run(real_model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP)
+@pytest.fixture(scope="module")
+def reference(real_model, real_tokenizer, workload):
+    return ample_pool_run(real_model, real_tokenizer, workload)
+
+
+@pytest.fixture(scope="module")
+def reference_bfloat16(real_model_bfloat16, real_tokenizer, workload):
+    return ample_pool_run(real_model_bfloat16, real_tokenizer, workload)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, dtype):
+    # float32 with the torch reference backend; bfloat16 with the compiled one, whose every row's attention is
+    # computed alone (kernels/csrc/paged_attention.cpp), so a prompt chunked differently after a preemption rounds
+    # the same. With PyTorch's SDPA for prefill, bfloat16 did not.
+    model = request.getfixturevalue({"float32": "real_model", "bfloat16": "real_model_bfloat16"}[dtype])
+    reference = request.getfixturevalue({"float32": "reference", "bfloat16": "reference_bfloat16"}[dtype])
+    completions, engine = run(model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP)
     assert sum(p.mode is PreemptionMode.SWAP for p in engine.preemption_log) >= 5, "the pool must force real swapping"
     assert sum(c.num_preemptions > 0 for c in completions) >= 3
     for ours, expected in zip(completions, reference, strict=True):
@@ -117,14 +139,10 @@ def assert_divergence_only_at_near_ties(real_model, completions, reference, marg
         assert margin < margin_limit, f"{ours.request_id} diverged at {position} with a clear margin {margin:.2e}"
 
 
-def test_bfloat16_with_the_compiled_kernel_follows_float32_but_at_near_ties(real_model, workload, reference):
-    # Preemption aside (a swap in bfloat16 is not bit-identical yet: the matmuls round differently at another batch
-    # size, with the torch attention as with this kernel), bfloat16 greedy decoding may leave float32's tokens only
-    # where float32's own top-2 margin is within bfloat16's resolution.
-    llm = LLM("smollm2-135m", dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, max_num_seqs=NUM_REQUESTS,
-              max_num_batched_tokens=256, kv_cache_memory=64 << 20, debug_invariants=True)  # fmt: skip
-    assert llm.engine.runner.model.backend.decode_kernel is paged_decode_attention_cpu
-    completions = llm.generate(*workload)
+def test_bfloat16_with_the_compiled_kernel_follows_float32_but_at_near_ties(real_model, reference, reference_bfloat16):
+    # bfloat16 greedy decoding may leave float32's tokens only where float32's own top-2 margin is within bfloat16's
+    # resolution.
+    completions = reference_bfloat16
     same = sum(ours.token_ids == expected.token_ids for ours, expected in zip(completions, reference, strict=True))
     print(f"{same} of {len(reference)} bfloat16 completions equal float32's")
     assert_divergence_only_at_near_ties(real_model, completions, reference, BFLOAT16_MARGIN)

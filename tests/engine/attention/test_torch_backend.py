@@ -1,4 +1,4 @@
-"""The paged torch backend against dense causal attention in float64, on random mixed batches."""
+"""The paged torch and cpu backends against dense causal attention in float64, on random mixed batches."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from kernels.check import dense_float64
-from kernels.cpu_decode_attention import paged_decode_attention_cpu
-from kernels.reference import paged_decode_attention_reference
 
-DECODE_KERNELS = {"reference": paged_decode_attention_reference, "cpu": paged_decode_attention_cpu}
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend}
 
 
 def random_mixed_batch(generator: torch.Generator, num_seqs: int) -> list[tuple[int, int]]:
@@ -28,8 +27,8 @@ def random_mixed_batch(generator: torch.Generator, num_seqs: int) -> list[tuple[
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2), (4, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("decode_kernel", list(DECODE_KERNELS))
-def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_size, seed, decode_kernel):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_size, seed, backend):
     generator = torch.Generator().manual_seed(seed)
     head_dim, scale = 16, 16**-0.5
     shapes = random_mixed_batch(generator, num_seqs=7)
@@ -59,7 +58,7 @@ def test_paged_mixed_batch_matches_dense_float64(num_heads, num_kv_heads, block_
     metadata = AttentionMetadata.build(
         [q for _, q in shapes], [s for s, _ in shapes], slots, block_tables, block_size, torch.device("cpu")
     )
-    out = TorchAttentionBackend(DECODE_KERNELS[decode_kernel]).forward(
+    out = BACKENDS[backend]().forward(
         torch.cat(queries), torch.cat(new_keys), torch.cat(new_values), (k_cache, v_cache), metadata, scale
     )
     reference = torch.cat(expected)
