@@ -16,7 +16,8 @@ from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
-from engine.sampling import compute_logprobs, make_generator, sample
+from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
+from kernels.cpu_argmax import argmax_rows_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 
 
@@ -43,11 +44,14 @@ class ModelRunner:
         if packing_applies(self.device, parameter.dtype):
             model.pack_linear_weights()
             self.matmul = "onednn-packed"
-        # "cpu-kernels" or "torch": how RMSNorm and rotary embeddings run (reported with the matmuls).
+        # "cpu-kernels" or "torch": how RMSNorm, rotary embeddings and greedy's argmax run (reported with the
+        # matmuls).
         self.layer_ops = "torch"
+        self.argmax = argmax_rows
         if cpu_kernels_apply(self.device, parameter.dtype) and cpu_kernels_available():
             model.use_cpu_kernels()
             self.layer_ops = "cpu-kernels"
+            self.argmax = argmax_rows_cpu
         self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)
         self.host_cache = PagedKVCache(
             model.config,
@@ -87,6 +91,7 @@ class ModelRunner:
             [self._generator(s) for s in to_sample],
             [s.banned_token_ids for s in to_sample],
             [(s.prompt_token_ids, s.output_token_ids) for s in to_sample],
+            argmax=self.argmax,
         )
         sampled = {s.request_id: token for s, token in zip(to_sample, tokens, strict=True)}
         return ExecuteResult(sampled, self._logprobs(logits, to_sample, tokens))

@@ -3,7 +3,7 @@ banned tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,15 +18,21 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     banned_token_ids: Sequence[frozenset[int]] | None = None,
     tokens_so_far: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_rows,
 ) -> list[int]:
     """One token id per row of ``logits`` [B, vocab]; a row's banned ids are never drawn. ``tokens_so_far``: each
-    row's (prompt, output) token ids, which its penalties count."""
+    row's (prompt, output) token ids, which its penalties count. ``argmax``: greedy's choice per row, as
+    ``torch.argmax`` answers (the runner passes the compiled CPU kernel where it applies)."""
     if any(p.has_penalties or p.logit_bias for p in params) or (banned_token_ids and any(banned_token_ids)):
         logits = logits.clone()
         for row, p in enumerate(params):
@@ -37,7 +43,7 @@ def sample(
                 logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             if banned_token_ids and banned_token_ids[row]:
                 logits[row, list(banned_token_ids[row])] = float("-inf")
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = argmax(logits).tolist()
     return [greedy[i] if p.is_greedy else _sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
 
 

@@ -6,11 +6,13 @@
 void paged_attention(torch::Tensor out, torch::Tensor q, std::optional<torch::Tensor> q_bf16, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor row_seqs,
                      torch::Tensor row_lens, double scale);
+void argmax_rows(torch::Tensor out, torch::Tensor logits);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of query rows over the paged cache (float32 or bfloat16)");
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value (torch.argmax's ties and NaNs)");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 sums, the reference's roundings)");
   m.def("rotate_heads_", &rotate_heads_, "rotate-half rotary embeddings of a row's first heads, in place");
 }
