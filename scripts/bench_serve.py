@@ -3,12 +3,14 @@ stream, in bfloat16 and float32, one run.
 
 Per dtype, each part in its own child process with the same engine options:
 
-- w1-throughput: the offline engine first and last with the server between (this machine's speed drifts; the ratio
-  uses the faster offline run, so drift cannot flatter the server). The server (admission off: it would refuse
-  part of a burst this size) gets every request at once as concurrent SSE streams from the load generator
-  (greedy, exact output lengths, every stream checked); its throughput is output tokens over the time from the
-  first send to the last [DONE]. The roofline is the fastest square matmul in that dtype, measured in both
-  offline children, before and after their run (the best counts).
+- w1-throughput: offline and served runs alternate, offline first and last (offline, served, offline, served,
+  offline): this machine's speed drifts by up to 20% within minutes, so one served run against the offline runs
+  around it measured the drift as often as the server. The ratio compares the best served run with the best
+  offline run (three offline chances against two served ones: drift cannot flatter the server). The server
+  (admission off: it would refuse part of a burst this size) gets every request at once as concurrent SSE
+  streams from the load generator (greedy, exact output lengths, every stream checked); its throughput is
+  output tokens over the time from the first send to the last [DONE]. The roofline is the fastest square matmul
+  in that dtype, measured in every offline child, before and after its run (the best counts).
 - Single stream: the offline engine decoding one request (128-token prompt, 256 tokens, greedy), then the server
   with one request at a time (128 / 128 tokens, sampled at temperature 1 as a client's default) and with Poisson
   arrivals at 1 request/s (128 / 64 tokens, 30 s).
@@ -71,20 +73,22 @@ else:
 """
 
 
+SERVED_RUNS = 2  # with one more offline run around them
+
+
 @dataclass
 class DtypeResult:
     dtype: str
-    offline_first: float
-    served: Summary
-    offline_last: float
+    offline: list[float]  # output tok/s of each offline run, in order
+    served: list[Summary]  # each served run, in order (between two offline ones)
     roofline_gflops: float
     offline_single_stream: float
     one_at_a_time: Summary
     one_per_second: Summary
 
     @property
-    def offline(self) -> float:
-        return max(self.offline_first, self.offline_last)
+    def served_over_offline(self) -> float:
+        return max(s.output_token_throughput for s in self.served) / max(self.offline)
 
 
 def run_offline(part: str, dtype: str, num_requests: int = 0) -> dict:
@@ -147,13 +151,15 @@ def serve(dtype: str) -> tuple[ManagedServer, str]:
 
 def measure(dtype: str, num_requests: int) -> DtypeResult:
     print(f"[bench serve] {dtype}: w1 offline, served, offline; then a single stream", file=sys.stderr, flush=True)
-    first = run_offline("w1", dtype, num_requests)
-    server, url = serve(dtype)
-    try:
-        served = asyncio.run(run_w1_streams(url, num_requests))
-    finally:
-        server.stop()
-    last = run_offline("w1", dtype, num_requests)
+    offline = [run_offline("w1", dtype, num_requests)]
+    served = []
+    for _ in range(SERVED_RUNS):
+        server, url = serve(dtype)
+        try:
+            served.append(asyncio.run(run_w1_streams(url, num_requests)))
+        finally:
+            server.stop()
+        offline.append(run_offline("w1", dtype, num_requests))
     single = run_offline("single", dtype)
     server, url = serve(dtype)
     try:
@@ -163,10 +169,9 @@ def measure(dtype: str, num_requests: int) -> DtypeResult:
         server.stop()
     return DtypeResult(
         dtype=dtype,
-        offline_first=first["tokens_per_s"],
+        offline=[run["tokens_per_s"] for run in offline],
         served=served,
-        offline_last=last["tokens_per_s"],
-        roofline_gflops=max(first["roofline"], last["roofline"]),
+        roofline_gflops=max(run["roofline"] for run in offline),
         offline_single_stream=single["tokens_per_s"],
         one_at_a_time=one_at_a_time,
         one_per_second=one_per_second,
@@ -185,13 +190,16 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
 
     w1_rows = []
     for r in results:
-        w1_rows += [
-            f"| {r.dtype} | offline engine (first) | {r.offline_first:.1f} | {roofline_share(r.offline_first, r)} | |",
-            f"| {r.dtype} | served (HTTP + SSE) | {r.served.output_token_throughput:.1f} "
-            f"| {roofline_share(r.served.output_token_throughput, r)} "
-            f"| **{r.served.output_token_throughput / r.offline:.0%}** |",
-            f"| {r.dtype} | offline engine (last) | {r.offline_last:.1f} | {roofline_share(r.offline_last, r)} | |",
-        ]
+        runs = [("offline engine", r.offline[0])]
+        for served, offline in zip(r.served, r.offline[1:], strict=True):
+            runs += [("served (HTTP + SSE)", served.output_token_throughput), ("offline engine", offline)]
+        w1_rows += [f"| {r.dtype} | {name} | {tok_s:.1f} | {roofline_share(tok_s, r)} | |" for name, tok_s in runs]
+        best_served = max(s.output_token_throughput for s in r.served)
+        w1_rows.append(
+            f"| {r.dtype} | **best served / best offline** | {best_served:.1f} / {max(r.offline):.1f} "
+            f"| {roofline_share(best_served, r)} / {roofline_share(max(r.offline), r)} "
+            f"| **{r.served_over_offline:.0%}** |"
+        )
     stream_rows = [
         f"| {r.dtype} | {r.offline_single_stream:.1f} ({1000 / r.offline_single_stream:.1f} ms) "
         f"| {ms(r.one_at_a_time.tpot.p50)} | {ms(r.one_at_a_time.ttft.p50)} "
@@ -212,7 +220,7 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
             f"{nominal_flop / 1e12:.2f} TFLOP (2 x parameters per token plus attention) over the wall time, against "
             f"the fastest square matmul in that dtype measured in the same run ({rooflines}).",
             "",
-            "| dtype | run | output tok/s | share of roofline | served / faster offline |",
+            "| dtype | run, in order | output tok/s | share of roofline | served / offline |",
             "|---|---|---|---|---|",
             *w1_rows,
             "",
