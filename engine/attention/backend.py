@@ -26,9 +26,10 @@ import torch
 class AttentionMetadata:
     """Per-step batch layout, built once by the model runner and shared by every layer.
 
-    Sequences with a single new token (decodes) are also described as their own
-    batch, so a backend can attend for all of them at once; the others (prefill
-    chunks) are listed by index.
+    Sequences with a single new token (decodes) can also be described as their own
+    batch (``decode_batch``), so a backend can attend for all of them at once; the
+    others (prefill chunks) are listed by index. Each backend builds only the views it
+    reads, on first use.
     """
 
     slot_mapping: torch.Tensor  # [T] int64, on the model's device
@@ -36,9 +37,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]  # [B + 1]
     seq_lens_cpu: list[int]  # [B]
     prefill_indices: list[int]  # sequences with more than one new token
-    decode_token_rows: torch.Tensor  # [D] row of each decode's token in the step's T
-    decode_seq_lens: torch.Tensor  # [D]
-    decode_block_tables: torch.Tensor  # [D, max_decode_blocks]
+    block_size: int
 
     @classmethod
     def build(
@@ -53,20 +52,30 @@ class AttentionMetadata:
         query_start_loc = [0]
         for query_len in query_lens:
             query_start_loc.append(query_start_loc[-1] + query_len)
-        decodes = [i for i, query_len in enumerate(query_lens) if query_len == 1]
         max_blocks = max(len(t) for t in block_tables)
-        max_decode_blocks = max((-(-seq_lens[i] // block_size) for i in decodes), default=0)
         return cls(
             slot_mapping=int64_tensor(slot_mapping, device),
             block_tables=int64_tensor([_padded(t, max_blocks) for t in block_tables], device),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
             prefill_indices=[i for i, query_len in enumerate(query_lens) if query_len != 1],
-            decode_token_rows=int64_tensor([query_start_loc[i] for i in decodes], device),
-            decode_seq_lens=int64_tensor([seq_lens[i] for i in decodes], device),
-            decode_block_tables=int64_tensor(
-                [_padded(block_tables[i][:max_decode_blocks], max_decode_blocks) for i in decodes], device
-            ).view(len(decodes), max_decode_blocks),
+            block_size=block_size,
+        )
+
+    @functools.cached_property
+    def decode_batch(self) -> DecodeBatch:
+        """The single-token decodes as their own batch, for backends that attend them in one launch.
+
+        Built on first use (by the first layer) and shared by the others.
+        """
+        device = self.slot_mapping.device
+        starts, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+        max_decode_blocks = max((-(-seq_lens[i] // self.block_size) for i in decodes), default=0)
+        return DecodeBatch(
+            token_rows=int64_tensor([starts[i] for i in decodes], device),
+            seq_lens=int64_tensor([seq_lens[i] for i in decodes], device),
+            block_tables=self.block_tables[int64_tensor(decodes, device), :max_decode_blocks],
         )
 
     @functools.cached_property
@@ -107,6 +116,13 @@ class AttentionMetadata:
 
 
 @dataclass
+class DecodeBatch:
+    token_rows: torch.Tensor  # [D] row of each decode's token in the step's T
+    seq_lens: torch.Tensor  # [D]
+    block_tables: torch.Tensor  # [D, max_decode_blocks]
+
+
+@dataclass
 class PrefillBatch:
     token_rows: torch.Tensor  # [P] rows of the step's T that belong to prefill chunks, in order
     query_start_loc: torch.Tensor  # [S + 1] into those rows
@@ -137,14 +153,10 @@ def attend_decodes(
     out: torch.Tensor,
 ) -> None:
     """Every single-token decode of the step in one kernel call, into its rows of ``out``."""
-    if metadata.decode_token_rows.numel():
-        out[metadata.decode_token_rows] = decode_kernel(
-            q[metadata.decode_token_rows],
-            kv_cache[0],
-            kv_cache[1],
-            metadata.decode_block_tables,
-            metadata.decode_seq_lens,
-            scale,
+    decodes = metadata.decode_batch
+    if decodes.token_rows.numel():
+        out[decodes.token_rows] = decode_kernel(
+            q[decodes.token_rows], kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, scale
         )
 
 
