@@ -18,14 +18,11 @@ def paged_attention_cpu(
     scale: float,
 ) -> torch.Tensor:
     """Row ``r`` of ``q`` [R, H, D] attends to the first ``row_lens[r]`` tokens of the context of sequence
-    ``row_seqs[r]`` (its blocks: that row of ``block_tables``). CPU tensors, a float32 or bfloat16 cache; scores
+    ``row_seqs[r]`` (its blocks: that row of ``block_tables``). CPU tensors; q and the cache float32 or bfloat16; scores
     and sums are float32 whatever the cache holds (q is widened, the result narrowed to q's dtype). Each row's
     result depends only on its own query and context, never on the other rows."""
     out = torch.empty(q.shape, dtype=torch.float32)
-    # A bfloat16 query is also passed as it is: with a bfloat16 cache, AVX512-BF16 multiplies it with the keys
-    # directly (exact products either way: widening bfloat16 to float32 is exact).
-    q_bf16 = q.contiguous() if q.dtype == torch.bfloat16 else None
     compiled_kernels().paged_attention(
-        out, q.float().contiguous(), q_bf16, k_cache, v_cache, block_tables.contiguous(), row_seqs, row_lens, scale
+        out, q.contiguous(), k_cache, v_cache, block_tables.contiguous(), row_seqs, row_lens, scale
     )
     return out.to(q.dtype)

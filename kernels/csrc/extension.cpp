@@ -1,11 +1,8 @@
 // The Python module of kvstorm's CPU kernels (kernels/cpu_extension.py builds it from every source here).
 #include <torch/extension.h>
 
-#include <optional>
-
-void paged_attention(torch::Tensor out, torch::Tensor q, std::optional<torch::Tensor> q_bf16, torch::Tensor k_cache,
-                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor row_seqs,
-                     torch::Tensor row_lens, double scale);
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale);
 void argmax_rows(torch::Tensor out, torch::Tensor logits);
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <vector>
 
 namespace {
@@ -28,8 +27,8 @@ namespace {
 template <typename Cache>
 struct Problem {
   float* out;
-  const float* q;
-  const uint16_t* q_bf16;  // the same queries as given in bfloat16, or null (the AVX512-BF16 dot products read it)
+  const float* q;          // the queries in float32, or null where they were given in bfloat16:
+  const uint16_t* q_bf16;  // the queries in bfloat16 (the AVX512-BF16 dot products read them as they are)
   const Cache* k_cache;
   const Cache* v_cache;
   const int64_t* tables;
@@ -54,12 +53,29 @@ inline float widen(uint16_t bits) {
   return value;
 }
 
+// Per-thread buffers, reused from task to task.
+struct Scratch {
+  std::vector<float> scores;   // [group, len]
+  std::vector<float> queries;  // [group, head_dim]: bfloat16 queries widened
+};
+
+// The group's queries of (row, kv_head) in float32: straight from q, or widened (exactly) from bfloat16.
+template <typename Cache>
+const float* group_queries(const Problem<Cache>& p, int64_t row, int64_t kv_head, Scratch& scratch) {
+  const int64_t offset = p.group_offset(row, kv_head);
+  if (p.q != nullptr) return p.q + offset;
+  scratch.queries.resize(p.group() * p.head_dim);
+  for (size_t i = 0; i < scratch.queries.size(); ++i) scratch.queries[i] = widen(p.q_bf16[offset + i]);
+  return scratch.queries.data();
+}
+
 // The portable path: one (row, KV head) task in plain loops the compiler vectorizes as far as it can.
 template <typename Cache>
-void attend_group_portable(const Problem<Cache>& p, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+void attend_group_portable(const Problem<Cache>& p, int64_t row, int64_t kv_head, Scratch& scratch) {
   const int64_t len = p.row_lens[row], group = p.group(), head_dim = p.head_dim;
-  const float* query = p.q + p.group_offset(row, kv_head);
+  const float* query = group_queries(p, row, kv_head, scratch);
   const int64_t* table = p.table_of(row);
+  std::vector<float>& scores = scratch.scores;
   scores.resize(group * len);
   for (int64_t pos = 0; pos < len; ++pos) {
     const int64_t slot = table[pos / p.block_size] * p.block_stride + (pos % p.block_size) * p.row_stride;
@@ -255,12 +271,13 @@ void weighted_values(const Problem<Cache>& p, const int64_t* table, int64_t len,
 }
 
 template <int64_t NC, typename Cache>  // NC: head_dim / 16
-void attend_group_avx512(const Problem<Cache>& p, int64_t row, int64_t kv_head, std::vector<float>& scores) {
+void attend_group_avx512(const Problem<Cache>& p, int64_t row, int64_t kv_head, Scratch& scratch) {
   constexpr int64_t D = NC * 16;
   const int64_t len = p.row_lens[row], group = p.group();
-  const float* query = p.q + p.group_offset(row, kv_head);
+  const float* query = group_queries(p, row, kv_head, scratch);
   const uint16_t* query_bf16 = p.q_bf16 == nullptr ? nullptr : p.q_bf16 + p.group_offset(row, kv_head);
   const int64_t* table = p.table_of(row);
+  std::vector<float>& scores = scratch.scores;
   scores.resize(group * len);
   // Scores 16 keys at a time (a tile may span blocks when a block holds fewer than 16 rows).
   const Cache* keys[16];
@@ -298,7 +315,7 @@ void attend_group_avx512(const Problem<Cache>& p, int64_t row, int64_t kv_head, 
 #endif
 
 template <typename Cache>
-using AttendGroup = void (*)(const Problem<Cache>&, int64_t, int64_t, std::vector<float>&);
+using AttendGroup = void (*)(const Problem<Cache>&, int64_t, int64_t, Scratch&);
 
 // The fastest instance this build has for the head size and group.
 template <typename Cache>
@@ -333,19 +350,21 @@ void run_tasks(const Problem<Cache>& p, int64_t num_rows) {
            cost_before.begin();
   };
   at::parallel_for(0, num_parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    std::vector<float> scores;
+    Scratch scratch;
     for (int64_t task = first_task_of(part_begin); task < first_task_of(part_end); ++task) {
-      attend_group(p, task / p.num_kv_heads, task % p.num_kv_heads, scores);
+      attend_group(p, task / p.num_kv_heads, task % p.num_kv_heads, scratch);
     }
   });
 }
 
 template <typename Cache>
-void launch(torch::Tensor out, torch::Tensor q, const uint16_t* q_bf16, const Cache* k_ptr, const Cache* v_ptr,
-            torch::Tensor k_cache, torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens,
-            double scale) {
+void launch(torch::Tensor out, torch::Tensor q, const Cache* k_ptr, const Cache* v_ptr, torch::Tensor k_cache,
+            torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale) {
+  const bool q_is_bf16 = q.dtype() == torch::kBFloat16;
   const Problem<Cache> problem{
-      out.data_ptr<float>(), q.data_ptr<float>(), q_bf16, k_ptr, v_ptr, block_tables.data_ptr<int64_t>(),
+      out.data_ptr<float>(), q_is_bf16 ? nullptr : q.data_ptr<float>(),
+      q_is_bf16 ? reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) : nullptr, k_ptr, v_ptr,
+      block_tables.data_ptr<int64_t>(),
       row_seqs.data_ptr<int64_t>(), row_lens.data_ptr<int64_t>(), q.size(1), k_cache.size(2), q.size(2),
       k_cache.size(1), block_tables.size(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
       static_cast<float>(scale)};
@@ -356,15 +375,15 @@ void launch(torch::Tensor out, torch::Tensor q, const uint16_t* q_bf16, const Ca
 
 void paged_attention(
     torch::Tensor out,           // [R, H, D] float32, written
-    torch::Tensor q,             // [R, H, D] float32
-    std::optional<torch::Tensor> q_bf16,  // q as it was given in bfloat16 (exactly q's values), or None
+    torch::Tensor q,             // [R, H, D] float32 or bfloat16
     torch::Tensor k_cache,       // [num_blocks, block_size, KVH, D] float32 or bfloat16 (rows contiguous in D)
     torch::Tensor v_cache,       // same shape, strides and dtype as k_cache
     torch::Tensor block_tables,  // [B, max_blocks] int64
     torch::Tensor row_seqs,      // [R] int64: the sequence (row of block_tables) each query row belongs to
     torch::Tensor row_lens,      // [R] int64: how many tokens of that sequence's context the row attends to
     double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "q and out must be float32");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == torch::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.sizes() == q.sizes(), "out must be float32, q's shape");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
@@ -372,18 +391,12 @@ void paged_attention(
   TORCH_CHECK(block_tables.is_contiguous() && row_seqs.is_contiguous() && row_lens.is_contiguous(),
               "metadata must be contiguous");
   TORCH_CHECK(row_seqs.size(0) == q.size(0) && row_lens.size(0) == q.size(0), "one sequence and length per row");
-  const uint16_t* q_bf16_ptr = nullptr;
-  if (q_bf16.has_value()) {
-    TORCH_CHECK(q_bf16->dtype() == torch::kBFloat16 && q_bf16->is_contiguous() && q_bf16->sizes() == q.sizes(),
-                "q_bf16 must be q's shape, contiguous bfloat16");
-    q_bf16_ptr = reinterpret_cast<const uint16_t*>(q_bf16->data_ptr<at::BFloat16>());
-  }
   if (k_cache.dtype() == torch::kFloat32) {
-    launch<float>(out, q, nullptr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, block_tables,
-                  row_seqs, row_lens, scale);
+    launch<float>(out, q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, block_tables, row_seqs,
+                  row_lens, scale);
   } else {
     TORCH_CHECK(k_cache.dtype() == torch::kBFloat16, "the cache must be float32 or bfloat16");
-    launch<uint16_t>(out, q, q_bf16_ptr, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+    launch<uint16_t>(out, q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache, block_tables,
                      row_seqs, row_lens, scale);
   }
