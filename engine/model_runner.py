@@ -15,7 +15,7 @@ from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, mo
 from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
-from engine.model.packed_linear import packing_applies
+from engine.model.packed_linear import packing_applies, set_batch_invariant
 from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
 from kernels.cpu_argmax import argmax_rows_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
@@ -34,16 +34,19 @@ class ModelRunner:
         num_host_blocks: int,
         block_size: int,
         faults: EngineFaults | None = None,
+        batch_invariant: bool = True,
     ) -> None:
         self.model = model
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
-        # "onednn-packed" or "torch": how the linear layers multiply (reported by benchmarks).
+        # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or
+        # "onednn-packed" and how many rows a call takes at most when that keeps each row's result batch-invariant.
         self.matmul = "torch"
         if packing_applies(self.device, parameter.dtype):
             model.pack_linear_weights()
-            self.matmul = "onednn-packed"
+            limit = set_batch_invariant(model, batch_invariant)
+            self.matmul = "onednn-packed" + ("" if limit is None else f", batch-invariant in calls of <= {limit} rows")
         # "cpu-kernels" or "torch": how RMSNorm, rotary embeddings and greedy's argmax run (reported with the
         # matmuls).
         self.layer_ops = "torch"

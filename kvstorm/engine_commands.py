@@ -68,6 +68,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults_sched.max_num_batched_tokens)
     group.add_argument("--no-chunked-prefill", action="store_true", help="schedule prompts whole")
     group.add_argument(
+        "--no-batch-invariance",
+        action="store_true",
+        help="let the CPU matmuls take a step's rows at once: faster where their kernels change with the row count "
+        "(bfloat16 on CPUs with AMX), but a request's tokens may then depend on what else ran in its step",
+    )
+    group.add_argument(
         "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value
     )
     group.add_argument("--debug-invariants", action="store_true", help="check block invariants after every step")
@@ -90,6 +96,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": not args.no_chunked_prefill,
+        "batch_invariant": not args.no_batch_invariance,
         "preemption_mode": args.preemption_mode,
         "debug_invariants": args.debug_invariants,
         "seed": args.seed,

@@ -64,6 +64,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
+    # Each request's tokens the same whatever else runs in its step (bit-identical preemption); off lets the
+    # packed CPU matmuls take every row at once, faster where their kernels change with the row count (AMX).
+    batch_invariant: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Longest prompt + output; None means the model's own context length.

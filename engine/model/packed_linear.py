@@ -37,18 +37,63 @@ def _cpu_packs_bfloat16() -> bool:
     return True
 
 
+# The row counts the probe tries: every count up to 64 (where oneDNN's kernels change: on a CPU with AMX, bfloat16
+# from 33 rows on), then the edges of larger blocks, up to the most rows one call is ever given.
+PROBED_ROW_COUNTS = (*range(2, 65), 96, 127, 128, 129, 192, 255, 256)
+# Each probe row holds +BIG and -BIG, whose products cancel exactly; every term summed while BIG sits in the
+# float32 accumulator loses low bits to it, so any change in the order of the sums changes the result visibly
+# (even after rounding to bfloat16), where ordinary random rows differ in one row of ten at most.
+_PROBE_BIG = 2.0**16
+
+
+@functools.cache
+def rows_per_call(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> int:
+    """The most rows one oneDNN matmul of this shape may be given with each row's result the same bits whatever the
+    count, asked of oneDNN itself: it picks its kernel by the shape, and its kernels sum in different orders. On an
+    Intel Xeon with AMX, bfloat16 changes kernel at 33 rows (float32 agrees at every probed count), so without
+    slices a row's logits would depend on how many others ran in its step; on an AMD EPYC with AVX512-BF16 the
+    tests found counts from two rows up to agree in both dtypes.
+    (A single row always gets a kernel of its own: callers run it as two.) Once per shape and process: 0.03-0.1 s,
+    up to 0.7 s for the LM head in bfloat16 and 2.6 s in float32 (49,152 x 576: each call reads 113 MB)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    weight[:, -1] = weight[:, 0]
+    bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
+    rows = torch.randn(PROBED_ROW_COUNTS[-1] + 1, in_features, generator=generator)
+    rows[:, 0], rows[:, -1] = _PROBE_BIG, -_PROBE_BIG
+    rows = rows.to(dtype)
+
+    def multiply(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    alone: list[torch.Tensor] = []  # row i's result in a call of two rows
+    agreed = PROBED_ROW_COUNTS[0]
+    for count in PROBED_ROW_COUNTS:
+        alone += [multiply(rows[row : row + 2])[0] for row in range(len(alone), count)]
+        if not torch.equal(multiply(rows[:count]), torch.stack(alone)):
+            break
+        agreed = count
+    return agreed
+
+
 def _batch_invariant(matmul):
-    """Runs a one-row input as two rows and keeps the first: oneDNN multiplies a single row with another kernel
-    than two or more, whose sums round differently (at K = 1536, and in the fused SwiGLU, in both dtypes), so a
-    decode's logits would depend on whether it ran alone in its step. From two rows up each row's result is the
-    same whatever the batch (tests/engine/model/test_packed_linear.py); the extra row is nearly free where the
-    weights' bandwidth sets the pace."""
+    """Gives the bare matmul only row counts whose kernels agree: a single row runs as two and the first is kept
+    (oneDNN multiplies one row with another kernel than two or more, at K = 1536 and in the fused SwiGLU, in both
+    dtypes; the extra row is nearly free where the weights' bandwidth sets the pace), and more rows than
+    ``self.rows_per_call`` (``rows_per_call()``'s answer unless ``set_batch_invariant(False)``) run in slices of
+    that many. Each row's result is then the same whatever the batch around it
+    (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on what else ran in its step."""
 
     @functools.wraps(matmul)
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1:
+        rows, limit = x.shape[0], self.rows_per_call
+        if rows == 1:
+            return matmul(self, x.expand(2, -1), *(t.expand(2, -1) for t in rest))[:1]
+        if limit is None or rows <= limit:
             return matmul(self, x, *rest)
-        return matmul(self, x.expand(2, -1), *(t.expand(2, -1) for t in rest))[:1]
+        slices = [slice(start, start + limit) for start in range(0, rows, limit)]  # a last one of one row runs as two
+        return torch.cat([forward(self, x[part], *(t[part] for t in rest)) for part in slices])
 
     return forward
 
@@ -62,14 +107,19 @@ class PackedLinear(nn.Module):
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.invariant_rows_per_call = rows_per_call(
+            self.in_features, self.out_features, bias is not None, weight.dtype
+        )
+        self.rows_per_call: int | None = self.invariant_rows_per_call
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
-    @_batch_invariant
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    forward = _batch_invariant(_multiply)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -86,13 +136,32 @@ class PackedSwiGLU(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
             for w in (gate_weight, up_weight, down_weight)
         )
+        # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
+        (intermediate, hidden), dtype = up_weight.shape, up_weight.dtype
+        self.invariant_rows_per_call = min(
+            rows_per_call(hidden, intermediate, False, dtype), rows_per_call(intermediate, hidden, False, dtype)
+        )
+        self.rows_per_call: int | None = self.invariant_rows_per_call
 
-    @_batch_invariant
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _multiply(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         linear = torch.ops.mkldnn._linear_pointwise
         gate = linear(x, self.gate, None, "swish", [], "")
         hidden = linear.binary(x, gate, self.up, None, "mul")
         return linear.binary(hidden, residual, self.down, None, "add")
+
+    forward = _batch_invariant(_multiply)
+
+
+def set_batch_invariant(module: nn.Module, enabled: bool) -> int | None:
+    """Every packed layer under ``module`` slices its rows so that a row's result does not depend on the batch
+    (``enabled``), or gives oneDNN every row at once (faster where its kernels change with the row count: on a CPU
+    with AMX, in bfloat16; docs/benchmarks.md). Returns the fewest rows per call now in force, None for no limit."""
+    limits = []
+    for layer in module.modules():
+        if isinstance(layer, (PackedLinear, PackedSwiGLU)):
+            layer.rows_per_call = layer.invariant_rows_per_call if enabled else None
+            limits.append(layer.invariant_rows_per_call)
+    return min(limits) if enabled and limits else None
 
 
 def pack_linear_layers(module: nn.Module) -> int:

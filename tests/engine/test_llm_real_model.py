@@ -77,3 +77,12 @@ def test_logprobs_are_only_returned_when_asked(llm):
     engine.add_request("Paged attention is", SamplingParams(max_tokens=2, temperature=0))
     while engine.has_unfinished_requests():
         assert all(output.logprobs is None for output in engine.step())
+
+
+def test_without_batch_invariance_the_packed_matmuls_take_every_row_at_once(real_tokenizer):
+    llm = LLM(tokenizer=real_tokenizer, dtype="float32", kv_cache_memory=64 << 20, swap_space=0, batch_invariant=False)
+    assert llm.engine.info.matmul == "onednn-packed"  # no slicing reported
+    (completion,) = llm.generate(
+        [real_tokenizer.apply_chat_template(QUESTION)], SamplingParams(max_tokens=40, temperature=0)
+    )
+    assert completion.text == "The capital of France is Paris."

@@ -19,7 +19,10 @@ def run_kvstorm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_generate_streams_the_answer_to_a_chat_prompt():
-    result = run_kvstorm("generate", "--chat", "--prompt", "What is the capital of France?", "--max-tokens", "24")
+    # float32: the answer's first token wins by 0.08 of a logit near 25 ("The" over "L"), under bfloat16's step
+    # there, so in bfloat16 the two tie on some CPUs and the lower id ("L'Étoile...") wins.
+    chat = ("generate", "--chat", "--dtype", "float32", "--prompt", "What is the capital of France?")
+    result = run_kvstorm(*chat, "--max-tokens", "24")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "tokens/s" in result.stderr
@@ -53,7 +56,8 @@ def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
     (kvstorm,) = data["results"]
     assert kvstorm["output_tokens"] == data["output_tokens"]  # ignore_eos: every request ran to its length
     assert kvstorm["details"]["attention_backend"] == "torch"  # the backend it was asked for, by its flag name
-    assert kvstorm["details"]["matmul"] == "onednn-packed"  # float32 on this torch's CPU build
+    # float32 on this torch's CPU build, each row's result batch-invariant (by default)
+    assert kvstorm["details"]["matmul"].startswith("onednn-packed, batch-invariant in calls of <= ")
     assert kvstorm["details"]["layer_ops"] == "cpu-kernels"  # whatever the attention backend
     assert set(data["matmul_gflops"]) == {"torch.mm", "onednn-packed"}
     assert (

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers, packing_applies
+from engine.model.packed_linear import (
+    PROBED_ROW_COUNTS,
+    PackedLinear,
+    PackedSwiGLU,
+    pack_linear_layers,
+    packing_applies,
+    set_batch_invariant,
+)
 from engine.model.registry import resolve_model
 
 
@@ -68,18 +75,32 @@ def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
     "dtype", [dtype for dtype in (torch.float32, torch.bfloat16) if packing_applies(torch.device("cpu"), dtype)]
 )
 def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype):
-    # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel.
+    # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel,
+    # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers slice their rows, as probed).
     generator = torch.Generator().manual_seed(1)
     down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype))
     mlp = PackedSwiGLU(
         *((torch.randn(*shape, generator=generator) / 20).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),))
     )
-    hidden = torch.randn(65, 1536, generator=generator).to(dtype)
-    x, residual = (torch.randn(65, 576, generator=generator).to(dtype) for _ in range(2))
-    for rows in (2, 3, 17, 65):
+    hidden = torch.randn(300, 1536, generator=generator).to(dtype)
+    x, residual = (torch.randn(300, 576, generator=generator).to(dtype) for _ in range(2))
+    for rows in (2, 3, 17, 33, 65, 300):
         assert torch.equal(down(hidden[:1])[0], down(hidden[:rows])[0]), rows
         assert torch.equal(mlp(x[:1], residual[:1])[0], mlp(x[:rows], residual[:rows])[0]), rows
         assert torch.equal(down(hidden[rows - 1 : rows])[0], down(hidden[:rows])[rows - 1]), rows
+
+
+def test_without_batch_invariance_every_row_goes_to_onednn_in_one_call():
+    generator = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(96, 64, generator=generator), torch.randn(600, 64, generator=generator)
+    layer = PackedLinear(weight)
+    assert 2 <= layer.invariant_rows_per_call <= PROBED_ROW_COUNTS[-1]
+    assert set_batch_invariant(layer, True) == layer.rows_per_call == layer.invariant_rows_per_call
+    sliced = layer(x)
+    assert set_batch_invariant(layer, False) is None
+    assert layer.rows_per_call is None
+    torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sliced, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 def cpu_flags() -> set[str]:
