@@ -47,7 +47,7 @@ _PROBE_BIG = 2.0**16
 
 
 @functools.cache
-def rows_per_call(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> int:
+def probe_rows_per_call(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> int:
     """The most rows one oneDNN matmul of this shape may be given with each row's result the same bits whatever the
     count, asked of oneDNN itself: it picks its kernel by the shape, and its kernels sum in different orders. On an
     Intel Xeon with AMX, bfloat16 changes kernel at 33 rows (float32 agrees at every probed count), so without
@@ -81,7 +81,7 @@ def _batch_invariant(matmul):
     """Gives the bare matmul only row counts whose kernels agree: a single row runs as two and the first is kept
     (oneDNN multiplies one row with another kernel than two or more, at K = 1536 and in the fused SwiGLU, in both
     dtypes; the extra row is nearly free where the weights' bandwidth sets the pace), and more rows than
-    ``self.rows_per_call`` (``rows_per_call()``'s answer unless ``set_batch_invariant(False)``) run in slices of
+    ``self.rows_per_call`` (``probe_rows_per_call()``'s answer unless ``set_batch_invariant(False)``) run in slices of
     that many. Each row's result is then the same whatever the batch around it
     (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on what else ran in its step."""
 
@@ -107,7 +107,7 @@ class PackedLinear(nn.Module):
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.invariant_rows_per_call = rows_per_call(
+        self.invariant_rows_per_call = probe_rows_per_call(
             self.in_features, self.out_features, bias is not None, weight.dtype
         )
         self.rows_per_call: int | None = self.invariant_rows_per_call
@@ -139,7 +139,8 @@ class PackedSwiGLU(nn.Module):
         # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
         (intermediate, hidden), dtype = up_weight.shape, up_weight.dtype
         self.invariant_rows_per_call = min(
-            rows_per_call(hidden, intermediate, False, dtype), rows_per_call(intermediate, hidden, False, dtype)
+            probe_rows_per_call(hidden, intermediate, False, dtype),
+            probe_rows_per_call(intermediate, hidden, False, dtype),
         )
         self.rows_per_call: int | None = self.invariant_rows_per_call
 

@@ -90,7 +90,7 @@ def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype):
         assert torch.equal(down(hidden[rows - 1 : rows])[0], down(hidden[:rows])[rows - 1]), rows
 
 
-def test_without_batch_invariance_every_row_goes_to_onednn_in_one_call():
+def test_batch_invariance_turns_off_and_either_way_the_product_is_right():
     generator = torch.Generator().manual_seed(2)
     weight, x = torch.randn(96, 64, generator=generator), torch.randn(600, 64, generator=generator)
     layer = PackedLinear(weight)
