@@ -53,8 +53,9 @@ def probe_rows_per_call(in_features: int, out_features: int, has_bias: bool, dty
     Intel Xeon with AMX, bfloat16 changes kernel at 33 rows (float32 agrees at every probed count), so without
     slices a row's logits would depend on how many others ran in its step; on an AMD EPYC with AVX512-BF16 the
     tests found counts from two rows up to agree in both dtypes.
-    (A single row always gets a kernel of its own: callers run it as two.) Once per shape and process: 0.03-0.1 s,
-    up to 0.7 s for the LM head in bfloat16 and 2.6 s in float32 (49,152 x 576: each call reads 113 MB)."""
+    (A single row always gets a kernel of its own: callers run it as two.) Once per shape and process, where batch
+    invariance is asked for: 0.03-0.1 s, up to 0.7 s for the LM head in bfloat16 and 2.6 s in float32 (49,152 x
+    576: each call reads 113 MB)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     weight[:, -1] = weight[:, 0]
@@ -77,28 +78,44 @@ def probe_rows_per_call(in_features: int, out_features: int, has_bias: bool, dty
     return agreed
 
 
-def _batch_invariant(matmul):
-    """Gives the bare matmul only row counts whose kernels agree: a single row runs as two and the first is kept
-    (oneDNN multiplies one row with another kernel than two or more, at K = 1536 and in the fused SwiGLU, in both
-    dtypes; the extra row is nearly free where the weights' bandwidth sets the pace), and more rows than
-    ``self.rows_per_call`` (``probe_rows_per_call()``'s answer unless ``set_batch_invariant(False)``) run in slices of
-    that many. Each row's result is then the same whatever the batch around it
-    (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on what else ran in its step."""
+class _RowSlicedMatmul(nn.Module):
+    """A packed layer that gives oneDNN only row counts whose kernels agree: a single row runs as two and the first
+    is kept (oneDNN multiplies one row with another kernel than two or more, at K = 1536 and in the fused SwiGLU, in
+    both dtypes; the extra row is nearly free where the weights' bandwidth sets the pace), and while
+    ``batch_invariant`` more rows than ``invariant_rows_per_call`` (probed on first use) run in slices of that many.
+    Each row's result is then the same whatever the batch around it (tests/engine/model/test_packed_linear.py), so
+    a decode's logits do not depend on what else ran in its step."""
 
-    @functools.wraps(matmul)
+    batch_invariant = True  # per layer: set_batch_invariant()
+
+    def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """The bare oneDNN call(s) on every row given."""
+        raise NotImplementedError
+
+    def _probe(self) -> int:
+        """``probe_rows_per_call()`` for this layer's matmuls."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def invariant_rows_per_call(self) -> int:
+        return self._probe()
+
+    @property
+    def rows_per_call(self) -> int | None:
+        """The most rows one call takes; None: every row at once."""
+        return self.invariant_rows_per_call if self.batch_invariant else None
+
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         rows, limit = x.shape[0], self.rows_per_call
         if rows == 1:
-            return matmul(self, x.expand(2, -1), *(t.expand(2, -1) for t in rest))[:1]
+            return self._multiply(x.expand(2, -1), *(t.expand(2, -1) for t in rest))[:1]
         if limit is None or rows <= limit:
-            return matmul(self, x, *rest)
+            return self._multiply(x, *rest)
         slices = [slice(start, start + limit) for start in range(0, rows, limit)]  # a last one of one row runs as two
-        return torch.cat([forward(self, x[part], *(t[part] for t in rest)) for part in slices])
-
-    return forward
+        return torch.cat([self.forward(x[part], *(t[part] for t in rest)) for part in slices])
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(_RowSlicedMatmul):
     """``x @ weight.T + bias`` through oneDNN with the weight prepacked; holds no copy of the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -107,10 +124,7 @@ class PackedLinear(nn.Module):
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.invariant_rows_per_call = probe_rows_per_call(
-            self.in_features, self.out_features, bias is not None, weight.dtype
-        )
-        self.rows_per_call: int | None = self.invariant_rows_per_call
+        self.dtype = weight.dtype
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -119,13 +133,14 @@ class PackedLinear(nn.Module):
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    forward = _batch_invariant(_multiply)
+    def _probe(self) -> int:
+        return probe_rows_per_call(self.in_features, self.out_features, self.bias is not None, self.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PackedSwiGLU(nn.Module):
+class PackedSwiGLU(_RowSlicedMatmul):
     """``residual + down(silu(gate(x)) * up(x))``, Llama's MLP plus the residual, in three prepacked oneDNN
     matmuls whose element-wise work runs as fused post-ops on each output tile while it is in cache: SiLU
     (oneDNN's "swish") on the gate, times the gate on the up projection, plus the residual on the down one."""
@@ -136,13 +151,7 @@ class PackedSwiGLU(nn.Module):
             torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
             for w in (gate_weight, up_weight, down_weight)
         )
-        # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
-        (intermediate, hidden), dtype = up_weight.shape, up_weight.dtype
-        self.invariant_rows_per_call = min(
-            probe_rows_per_call(hidden, intermediate, False, dtype),
-            probe_rows_per_call(intermediate, hidden, False, dtype),
-        )
-        self.rows_per_call: int | None = self.invariant_rows_per_call
+        (self.intermediate_size, self.hidden_size), self.dtype = up_weight.shape, up_weight.dtype
 
     def _multiply(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         linear = torch.ops.mkldnn._linear_pointwise
@@ -150,19 +159,24 @@ class PackedSwiGLU(nn.Module):
         hidden = linear.binary(x, gate, self.up, None, "mul")
         return linear.binary(hidden, residual, self.down, None, "add")
 
-    forward = _batch_invariant(_multiply)
+    def _probe(self) -> int:
+        # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
+        hidden, intermediate = self.hidden_size, self.intermediate_size
+        return min(
+            probe_rows_per_call(hidden, intermediate, False, self.dtype),
+            probe_rows_per_call(intermediate, hidden, False, self.dtype),
+        )
 
 
 def set_batch_invariant(module: nn.Module, enabled: bool) -> int | None:
     """Every packed layer under ``module`` slices its rows so that a row's result does not depend on the batch
-    (``enabled``), or gives oneDNN every row at once (faster where its kernels change with the row count: on a CPU
-    with AMX, in bfloat16; docs/benchmarks.md). Returns the fewest rows per call now in force, None for no limit."""
-    limits = []
-    for layer in module.modules():
-        if isinstance(layer, (PackedLinear, PackedSwiGLU)):
-            layer.rows_per_call = layer.invariant_rows_per_call if enabled else None
-            limits.append(layer.invariant_rows_per_call)
-    return min(limits) if enabled and limits else None
+    (``enabled``; probes each shape not probed yet), or gives oneDNN every row at once (faster where its kernels
+    change with the row count: on a CPU with AMX, in bfloat16; docs/benchmarks.md). Returns the fewest rows per
+    call now in force, None for no limit."""
+    layers = [layer for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)]
+    for layer in layers:
+        layer.batch_invariant = enabled
+    return min(layer.invariant_rows_per_call for layer in layers) if enabled and layers else None
 
 
 def pack_linear_layers(module: nn.Module) -> int:
