@@ -5,7 +5,9 @@ under ``TORCH_EXTENSIONS_DIR``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -29,17 +31,40 @@ def compiled_kernels() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
-    module = load(
-        name="kvstorm_cpu_kernels",
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    with _installed_ninja_first():
+        module = load(
+            name="kvstorm_cpu_kernels",
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
     elapsed = time.perf_counter() - start
     if elapsed > 5:
         print(f"kvstorm: built the CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     return module
+
+
+@contextlib.contextmanager
+def _installed_ninja_first():
+    """PATH with the ninja our package depends on (the ``ninja`` wheel) in front, while torch's loader builds: it runs
+    whatever ``ninja`` PATH finds, so ``.venv/bin/kvstorm`` found none on a machine without a system ninja and fell
+    back to the torch reference, and two ninjas (the wheel's in an activated venv, the system's elsewhere) read each
+    other's build log as stale and rebuilt the kernels (about a minute) every time the caller's PATH changed."""
+    try:
+        import ninja
+    except ImportError:  # installed without its dependencies: whatever ninja PATH has, if any
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(filter(None, (ninja.BIN_DIR, saved)))
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = saved
 
 
 def cpu_kernels_available() -> bool:

@@ -1,0 +1,40 @@
+"""Building the CPU kernels does not depend on which ninja, if any, the caller's PATH has: the loader uses the one the
+package installs, so a shell without a system ninja gets the kernels, and it reuses the build another PATH made."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from torch.utils.cpp_extension import _get_build_directory
+
+from kernels.cpu_extension import compiled_kernels
+
+LOADS_THE_KERNELS = "from kernels.cpu_extension import cpu_kernels_available; assert cpu_kernels_available()"
+
+
+def test_kernels_load_from_the_same_build_with_no_ninja_on_path(tmp_path):
+    compiled_kernels()  # built (or found) with this process's PATH
+    library = Path(_get_build_directory("kvstorm_cpu_kernels", verbose=False)) / "kvstorm_cpu_kernels.so"
+    built_at = library.stat().st_mtime_ns
+    tools = tmp_path / "bin"  # a C++ compiler and the binutils it calls, and nothing else
+    tools.mkdir()
+    for tool in ("c++", "as", "ld"):
+        if shutil.which(tool):
+            (tools / tool).symlink_to(shutil.which(tool))
+    assert shutil.which("ninja", path=str(tools)) is None
+
+    child = subprocess.run(
+        [sys.executable, "-c", LOADS_THE_KERNELS],
+        env={**os.environ, "PATH": str(tools)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert child.returncode == 0, child.stderr
+    assert "unavailable" not in child.stderr, child.stderr
+    assert library.stat().st_mtime_ns == built_at, "the kernels were rebuilt: " + child.stderr
