@@ -100,7 +100,13 @@ class LLMEngine:
         # Device memory a memory_hog fault holds outside the engine (None: no hog).
         self._memory_hog: torch.Tensor | None = None
         self.runner = ModelRunner(
-            model, num_device_blocks, num_host_blocks, cache.block_size, self.faults, config.batch_invariant
+            model,
+            num_device_blocks,
+            num_host_blocks,
+            cache.block_size,
+            self.faults,
+            config.batch_invariant,
+            config.invariant_rows,
         )
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size

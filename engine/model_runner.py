@@ -35,18 +35,20 @@ class ModelRunner:
         block_size: int,
         faults: EngineFaults | None = None,
         batch_invariant: bool = True,
+        invariant_rows: str = "throughput",
     ) -> None:
         self.model = model
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
         # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or
-        # "onednn-packed" and how many rows a call takes at most when that keeps each row's result batch-invariant.
+        # "onednn-packed" and how many rows a call takes when that keeps each row's result batch-invariant.
         self.matmul = "torch"
         if packing_applies(self.device, parameter.dtype):
             model.pack_linear_weights()
-            limit = set_batch_invariant(model, batch_invariant)
-            self.matmul = "onednn-packed" + ("" if limit is None else f", batch-invariant in calls of <= {limit} rows")
+            rows = set_batch_invariant(model, batch_invariant, invariant_rows)
+            invariance = "" if rows is None else f", batch-invariant in calls of {rows.fewest}-{rows.most} rows"
+            self.matmul = "onednn-packed" + invariance
         # "cpu-kernels" or "torch": how RMSNorm, rotary embeddings and greedy's argmax run (reported with the
         # matmuls).
         self.layer_ops = "torch"

@@ -12,7 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.attention.selector import BACKENDS
-from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.config import INVARIANT_ROWS, CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.serving.admission import AdmissionLimits
@@ -74,6 +74,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "(bfloat16 on CPUs with AMX), but a request's tokens may then depend on what else ran in its step",
     )
     group.add_argument(
+        "--invariant-rows",
+        choices=INVARIANT_ROWS,
+        default=EngineConfig.invariant_rows,
+        help="where the CPU's matmul kernels agree in more than one range of row counts (bfloat16 on CPUs with "
+        "AMX), the one batch-invariant matmuls take: throughput (the widest: big batches in few calls) or latency "
+        "(a lone decode is not padded to the wider range's first count)",
+    )
+    group.add_argument(
         "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value
     )
     group.add_argument("--debug-invariants", action="store_true", help="check block invariants after every step")
@@ -97,6 +105,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "batch_invariant": not args.no_batch_invariance,
+        "invariant_rows": args.invariant_rows,
         "preemption_mode": args.preemption_mode,
         "debug_invariants": args.debug_invariants,
         "seed": args.seed,

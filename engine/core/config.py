@@ -58,6 +58,11 @@ class SchedulerConfig:
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
 
 
+# Which range of row counts batch-invariant CPU matmuls take where their kernels agree in several (bfloat16 on an
+# Intel Xeon with AMX): engine.model.packed_linear.choose_row_range.
+INVARIANT_ROWS = ("throughput", "latency")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -67,6 +72,9 @@ class EngineConfig:
     # Each request's tokens the same whatever else runs in its step (bit-identical preemption); off lets the
     # packed CPU matmuls take every row at once, faster where their kernels change with the row count (AMX).
     batch_invariant: bool = True
+    # Where the CPU matmuls' kernels agree in more than one range of row counts, the one they take (INVARIANT_ROWS):
+    # "throughput" (the widest: big batches in few calls) or "latency" (a lone decode is not padded).
+    invariant_rows: str = "throughput"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Longest prompt + output; None means the model's own context length.
@@ -74,6 +82,10 @@ class EngineConfig:
     # Check every block-pool invariant after every step (slow; for tests and debugging).
     debug_invariants: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.invariant_rows not in INVARIANT_ROWS:
+            raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {self.invariant_rows!r}")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -12,9 +12,12 @@ simply faster here.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from engine.core.config import INVARIANT_ROWS
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -37,82 +40,155 @@ def _cpu_packs_bfloat16() -> bool:
     return True
 
 
-# The row counts the probe tries: every count up to 64 (where oneDNN's kernels change: on a CPU with AMX, bfloat16
-# from 33 rows on), then the edges of larger blocks, up to the most rows one call is ever given.
-PROBED_ROW_COUNTS = (*range(2, 65), 96, 127, 128, 129, 192, 255, 256)
+# The most rows one call is ever given (the probe's last count; more run in slices).
+MOST_ROWS_PER_CALL = 256
+# Calls of more rows than this are padded up to a multiple of it, so a layer sees few row counts. oneDNN compiles and
+# caches kernels per shape and row count: calls of every count from 33 to 255 of the model's five bfloat16 shapes grew
+# a process by 0.55 GiB on a CPU with AMX. AMX multiplies 16 rows per tile, so the padding costs it little; smaller
+# counts, where a decode's latency is, stay as they are.
+ROW_GRANULE = 16
 # Each probe row holds +BIG and -BIG, whose products cancel exactly; every term summed while BIG sits in the
 # float32 accumulator loses low bits to it, so any change in the order of the sums changes the result visibly
 # (even after rounding to bfloat16), where ordinary random rows differ in one row of ten at most.
 _PROBE_BIG = 2.0**16
 
 
+class RowRange(NamedTuple):
+    """Row counts one matmul call may be given: fewer rows are padded up to ``fewest``, more run in slices."""
+
+    fewest: int
+    most: int
+
+    @property
+    def width(self) -> int:
+        return self.most - self.fewest
+
+    def padded(self, rows: int) -> int:
+        """The rows a call of ``rows`` (at most ``most``) is given: ``fewest`` for as many or fewer, else ``rows`` up
+        to ``ROW_GRANULE`` and beyond it the next multiple of it (or ``most``)."""
+        if rows <= self.fewest:
+            return self.fewest
+        if rows <= ROW_GRANULE:
+            return rows
+        return min(-(-rows // ROW_GRANULE) * ROW_GRANULE, self.most)
+
+
+def probed_row_counts(fewest: int) -> list[int]:
+    """The row counts the calls of a range that starts at ``fewest`` are given (``RowRange.padded``), in order."""
+    small = list(range(fewest, ROW_GRANULE + 1))
+    first = [] if small else [fewest]
+    granules = range(ROW_GRANULE * (max(fewest, ROW_GRANULE) // ROW_GRANULE + 1), MOST_ROWS_PER_CALL + 1, ROW_GRANULE)
+    return [*small, *first, *granules]
+
+
+class _ProbedMatmul:
+    """One matmul shape as the probe multiplies it: rows that expose any change in the order of the sums."""
+
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(out_features, in_features, generator=generator)
+        weight[:, -1] = weight[:, 0]
+        self.bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
+        rows = torch.randn(2 * MOST_ROWS_PER_CALL, in_features, generator=generator)
+        rows[:, 0], rows[:, -1] = _PROBE_BIG, -_PROBE_BIG
+        self.rows = rows.to(dtype)
+        self.alone: list[torch.Tensor] = []  # row i's result first in a call of `fewest` rows
+
+    def multiply(self, count: int, first: int = 0) -> torch.Tensor:
+        x = self.rows[first : first + count]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def agrees(self, fewest: int, count: int) -> bool:
+        """Whether a call of ``count`` rows gives each row what it gets first in a call of ``fewest``."""
+        # Cloned: a view would keep its whole call's output alive (for the LM head, 3 MB a row).
+        self.alone += [self.multiply(fewest, first=row)[0].clone() for row in range(len(self.alone), count)]
+        return torch.equal(self.multiply(count), torch.stack(self.alone[:count]))
+
+
 @functools.cache
-def probe_rows_per_call(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> int:
-    """The most rows one oneDNN matmul of this shape may be given with each row's result the same bits whatever the
-    count, asked of oneDNN itself: it picks its kernel by the shape, and its kernels sum in different orders. On an
-    Intel Xeon with AMX, bfloat16 changes kernel at 33 rows (float32 agrees at every probed count), so without
-    slices a row's logits would depend on how many others ran in its step; on an AMD EPYC with AVX512-BF16 the
-    tests found counts from two rows up to agree in both dtypes.
-    (A single row always gets a kernel of its own: callers run it as two.) Once per shape and process, where batch
-    invariance is asked for: 0.03-0.1 s, up to 0.7 s for the LM head in bfloat16 and 2.6 s in float32 (49,152 x
-    576: each call reads 113 MB)."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    weight[:, -1] = weight[:, 0]
-    bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
-    rows = torch.randn(PROBED_ROW_COUNTS[-1] + 1, in_features, generator=generator)
-    rows[:, 0], rows[:, -1] = _PROBE_BIG, -_PROBE_BIG
-    rows = rows.to(dtype)
+def probe_row_ranges(shapes: tuple[tuple[int, int, bool], ...], dtype: torch.dtype) -> tuple[RowRange, ...]:
+    """Every range of row counts whose oneDNN kernels agree for each of ``shapes`` ((in, out, has bias): one layer's
+    matmuls), for calls padded as ``RowRange.padded`` pads them: a row's result is the same bits at any position of
+    a call of any count the range gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels
+    sum in different orders). On an Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP, whose down
+    projection has K = 1536: 1-32, then 33 to 36 one count each, and 37-240); in float32 a lone row has a kernel of
+    its own at K = 1536, then 2-256 agree; on an AMD EPYC with AVX512-BF16 the tests found counts from two rows up
+    to agree in both dtypes. Once per layer shape and process, where batch invariance is asked for: 0.1-0.3 s,
+    about 1 s for the LM head (49,152 x 576: each call reads 57 MB in bfloat16), 1.6 s in float32."""
+    matmuls = [_ProbedMatmul(*shape, dtype) for shape in shapes]
+    ranges: list[RowRange] = []
+    fewest = 1
+    while MOST_ROWS_PER_CALL - fewest > max((r.width for r in ranges), default=-1):  # or no wider one is left
+        for matmul in matmuls:
+            matmul.alone = []
+        agreed = 0
+        for count in probed_row_counts(fewest):
+            if not all(matmul.agrees(fewest, count) for matmul in matmuls):
+                break
+            agreed = count
+        if agreed:
+            ranges.append(RowRange(fewest, agreed))
+        fewest = max(fewest, agreed) + 1
+    return tuple(ranges)
 
-    def multiply(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    alone: list[torch.Tensor] = []  # row i's result in a call of two rows
-    agreed = PROBED_ROW_COUNTS[0]
-    for count in PROBED_ROW_COUNTS:
-        alone += [multiply(rows[row : row + 2])[0] for row in range(len(alone), count)]
-        if not torch.equal(multiply(rows[:count]), torch.stack(alone)):
-            break
-        agreed = count
-    return agreed
+def choose_row_range(ranges: tuple[RowRange, ...], favour: str) -> RowRange:
+    """``throughput``: the widest of ``ranges``, so that big batches run in few calls; ``latency``: the first that
+    spans at least ``ROW_GRANULE`` counts, so that a lone decode runs as one row or two (a range of a lone row only,
+    as float32 has at K = 1536, would cut every batch into single rows). A single count always agrees with itself,
+    so there is a range."""
+    if favour == "latency":
+        return next((r for r in ranges if r.width >= ROW_GRANULE), max(ranges, key=lambda r: r.width))
+    if favour != "throughput":
+        raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {favour!r}")
+    return max(ranges, key=lambda r: (r.width, -r.fewest))
 
 
 class _RowSlicedMatmul(nn.Module):
-    """A packed layer that gives oneDNN only row counts whose kernels agree: a single row runs as two and the first
-    is kept (oneDNN multiplies one row with another kernel than two or more, at K = 1536 and in the fused SwiGLU, in
-    both dtypes; the extra row is nearly free where the weights' bandwidth sets the pace), and while
-    ``batch_invariant`` more rows than ``invariant_rows_per_call`` (probed on first use) run in slices of that many.
-    Each row's result is then the same whatever the batch around it (tests/engine/model/test_packed_linear.py), so
-    a decode's logits do not depend on what else ran in its step."""
+    """A packed layer that gives oneDNN only row counts whose kernels agree, while ``batch_invariant``: the range of
+    them ``favour`` picks (``invariant_row_range``, probed on first use). Fewer rows are padded with zeros up to its
+    fewest (a lone row runs as two where it has a kernel of its own; on an Intel Xeon with AMX in bfloat16, as 33
+    or 37 rows for throughput, a quarter slower than one row, while 128 rows run in a call where slices of 32 took
+    twice as long), counts above ``ROW_GRANULE`` up to a multiple of it, more than its most run in slices. Each
+    row's result is then the same whatever the batch around it (tests/engine/model/test_packed_linear.py), so a
+    decode's logits do not depend on what else ran in its step."""
 
     batch_invariant = True  # per layer: set_batch_invariant()
+    favour = "throughput"  # per layer: set_batch_invariant()
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """The bare oneDNN call(s) on every row given."""
         raise NotImplementedError
 
-    def _probe(self) -> int:
-        """``probe_rows_per_call()`` for this layer's matmuls."""
+    def _probe(self) -> tuple[RowRange, ...]:
+        """``probe_row_ranges()`` for the layer's matmuls."""
         raise NotImplementedError
 
     @functools.cached_property
-    def invariant_rows_per_call(self) -> int:
+    def invariant_row_ranges(self) -> tuple[RowRange, ...]:
         return self._probe()
 
     @property
-    def rows_per_call(self) -> int | None:
-        """The most rows one call takes; None: every row at once."""
-        return self.invariant_rows_per_call if self.batch_invariant else None
+    def invariant_row_range(self) -> RowRange:
+        return choose_row_range(self.invariant_row_ranges, self.favour)
+
+    @property
+    def row_range(self) -> RowRange | None:
+        """The row counts one call takes; None: every row at once."""
+        return self.invariant_row_range if self.batch_invariant else None
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        rows, limit = x.shape[0], self.rows_per_call
-        if rows == 1:
-            return self._multiply(x.expand(2, -1), *(t.expand(2, -1) for t in rest))[:1]
-        if limit is None or rows <= limit:
+        rows, row_range = x.shape[0], self.row_range
+        if row_range is None:
             return self._multiply(x, *rest)
-        slices = [slice(start, start + limit) for start in range(0, rows, limit)]  # a last one of one row runs as two
-        return torch.cat([self.forward(x[part], *(t[part] for t in rest)) for part in slices])
+        if rows > row_range.most:
+            slices = [slice(start, start + row_range.most) for start in range(0, rows, row_range.most)]
+            return torch.cat([self.forward(x[part], *(t[part] for t in rest)) for part in slices])
+        padding = row_range.padded(rows) - rows
+        if padding == 0:
+            return self._multiply(x, *rest)
+        return self._multiply(*(torch.cat((t, t.new_zeros(padding, t.shape[1]))) for t in (x, *rest)))[:rows]
 
 
 class PackedLinear(_RowSlicedMatmul):
@@ -133,8 +209,8 @@ class PackedLinear(_RowSlicedMatmul):
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def _probe(self) -> int:
-        return probe_rows_per_call(self.in_features, self.out_features, self.bias is not None, self.dtype)
+    def _probe(self) -> tuple[RowRange, ...]:
+        return probe_row_ranges(((self.in_features, self.out_features, self.bias is not None),), self.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -159,24 +235,26 @@ class PackedSwiGLU(_RowSlicedMatmul):
         hidden = linear.binary(x, gate, self.up, None, "mul")
         return linear.binary(hidden, residual, self.down, None, "add")
 
-    def _probe(self) -> int:
+    def _probe(self) -> tuple[RowRange, ...]:
         # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
         hidden, intermediate = self.hidden_size, self.intermediate_size
-        return min(
-            probe_rows_per_call(hidden, intermediate, False, self.dtype),
-            probe_rows_per_call(intermediate, hidden, False, self.dtype),
-        )
+        return probe_row_ranges(((hidden, intermediate, False), (intermediate, hidden, False)), self.dtype)
 
 
-def set_batch_invariant(module: nn.Module, enabled: bool) -> int | None:
-    """Every packed layer under ``module`` slices its rows so that a row's result does not depend on the batch
-    (``enabled``; probes each shape not probed yet), or gives oneDNN every row at once (faster where its kernels
-    change with the row count: on a CPU with AMX, in bfloat16; docs/benchmarks.md). Returns the fewest rows per
-    call now in force, None for no limit."""
+def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "throughput") -> RowRange | None:
+    """Every packed layer under ``module`` pads and slices its rows so that a row's result does not depend on the
+    batch (``enabled``; probes each shape not probed yet), in the range of row counts ``favour`` picks
+    (``choose_row_range``), or gives oneDNN every row at once (faster where its kernels change with the row count:
+    on a CPU with AMX, in bfloat16; docs/benchmarks.md). Returns the row counts every layer's calls now fall in
+    (the highest fewest, the lowest most), None for no limit."""
     layers = [layer for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)]
+    choose_row_range((RowRange(1, 1),), favour)  # a bad choice fails before any layer changes
     for layer in layers:
-        layer.batch_invariant = enabled
-    return min(layer.invariant_rows_per_call for layer in layers) if enabled and layers else None
+        layer.batch_invariant, layer.favour = enabled, favour
+    if not enabled or not layers:
+        return None
+    ranges = [layer.invariant_row_range for layer in layers]
+    return RowRange(max(r.fewest for r in ranges), min(r.most for r in ranges))
 
 
 def pack_linear_layers(module: nn.Module) -> int:

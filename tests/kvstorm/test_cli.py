@@ -35,6 +35,15 @@ def test_generate_with_a_seed_is_reproducible():
     assert first.stdout == second.stdout
 
 
+def test_invariant_rows_take_a_named_range_and_refuse_others():
+    result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", "--invariant-rows", "latency")
+    assert result.returncode == 0, result.stderr
+    assert "4 generated tokens" in result.stderr
+    result = run_kvstorm("generate", "--prompt", "x", "--invariant-rows", "fastest")
+    assert result.returncode == 2
+    assert "invalid choice: 'fastest'" in result.stderr
+
+
 def test_bad_arguments_exit_2_with_a_message():
     result = run_kvstorm("generate", "--model", "nope", "--prompt", "x")
     assert result.returncode == 2
@@ -57,7 +66,7 @@ def test_bench_offline_runs_any_model_and_backend_and_records_the_run(tmp_path):
     assert kvstorm["output_tokens"] == data["output_tokens"]  # ignore_eos: every request ran to its length
     assert kvstorm["details"]["attention_backend"] == "torch"  # the backend it was asked for, by its flag name
     # float32 on this torch's CPU build, each row's result batch-invariant (by default)
-    assert kvstorm["details"]["matmul"].startswith("onednn-packed, batch-invariant in calls of <= ")
+    assert kvstorm["details"]["matmul"].startswith("onednn-packed, batch-invariant in calls of ")
     assert kvstorm["details"]["layer_ops"] == "cpu-kernels"  # whatever the attention backend
     assert set(data["matmul_gflops"]) == {"torch.mm", "onednn-packed"}
     assert (

@@ -8,11 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.packed_linear import (
-    PROBED_ROW_COUNTS,
+    MOST_ROWS_PER_CALL,
+    ROW_GRANULE,
     PackedLinear,
     PackedSwiGLU,
+    RowRange,
+    choose_row_range,
     pack_linear_layers,
     packing_applies,
+    probed_row_counts,
     set_batch_invariant,
 )
 from engine.model.registry import resolve_model
@@ -74,9 +78,11 @@ def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
 @pytest.mark.parametrize(
     "dtype", [dtype for dtype in (torch.float32, torch.bfloat16) if packing_applies(torch.device("cpu"), dtype)]
 )
-def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype):
+@pytest.mark.parametrize("favour", ["throughput", "latency"])
+def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype, favour):
     # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel,
-    # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers slice their rows, as probed).
+    # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers pad and slice their rows, as
+    # probed: 1 row -> 33 or 37 there, 65 -> 80, 300 -> 240 + 60 padded to 64).
     generator = torch.Generator().manual_seed(1)
     down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype))
     mlp = PackedSwiGLU(
@@ -84,21 +90,61 @@ def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype):
     )
     hidden = torch.randn(300, 1536, generator=generator).to(dtype)
     x, residual = (torch.randn(300, 576, generator=generator).to(dtype) for _ in range(2))
+    set_batch_invariant(nn.ModuleList([down, mlp]), True, favour)
     for rows in (2, 3, 17, 33, 65, 300):
         assert torch.equal(down(hidden[:1])[0], down(hidden[:rows])[0]), rows
         assert torch.equal(mlp(x[:1], residual[:1])[0], mlp(x[:rows], residual[:rows])[0]), rows
         assert torch.equal(down(hidden[rows - 1 : rows])[0], down(hidden[:rows])[rows - 1]), rows
 
 
+def test_throughput_takes_the_widest_range_and_latency_the_first_that_holds_a_batch():
+    amx_bfloat16 = (RowRange(1, 32), RowRange(33, 33), RowRange(37, 240))
+    assert choose_row_range(amx_bfloat16, "throughput") == RowRange(37, 240)
+    assert choose_row_range(amx_bfloat16, "latency") == RowRange(1, 32)
+    lone_row_apart = (RowRange(1, 1), RowRange(2, 256))  # float32 at K = 1536: not a range of single rows
+    assert choose_row_range(lone_row_apart, "latency") == choose_row_range(lone_row_apart, "throughput")
+    assert choose_row_range((RowRange(1, 8), RowRange(9, 12)), "latency") == RowRange(1, 8)  # none spans 16
+    with pytest.raises(ValueError, match="invariant_rows must be one of"):
+        choose_row_range(amx_bfloat16, "fastest")
+
+
+@pytest.mark.parametrize(
+    "dtype", [dtype for dtype in (torch.float32, torch.bfloat16) if packing_applies(torch.device("cpu"), dtype)]
+)
+def test_the_model_mlp_runs_a_lone_row_unpadded_for_latency_and_in_the_widest_range_for_throughput(dtype):
+    generator = torch.Generator().manual_seed(3)
+    mlp = PackedSwiGLU(
+        *(torch.randn(*shape, generator=generator).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),))
+    )
+    latency = set_batch_invariant(mlp, True, "latency")
+    throughput = set_batch_invariant(mlp, True, "throughput")
+    assert latency.fewest <= 2  # one row, or two where a lone row has a kernel of its own
+    assert latency.width >= ROW_GRANULE
+    assert throughput.width >= latency.width
+    assert throughput in mlp.invariant_row_ranges
+
+
+@pytest.mark.parametrize("fewest", [1, 2, 16, 17, 33, 37, 250])
+def test_calls_are_given_only_row_counts_the_probe_checked(fewest):
+    # A range the probe finds ends at a count it checked; every call of its layer must then be one of those counts.
+    checked = probed_row_counts(fewest)
+    for most in checked:
+        given = {RowRange(fewest, most).padded(rows) for rows in range(1, most + 1)}
+        assert given <= {count for count in checked if count <= most}, (fewest, most)
+        assert (min(given), max(given)) == (fewest, most)
+    assert len({count for count in checked if count > 16}) <= 16  # few kernels per shape: oneDNN caches each
+
+
 def test_batch_invariance_turns_off_and_either_way_the_product_is_right():
     generator = torch.Generator().manual_seed(2)
     weight, x = torch.randn(96, 64, generator=generator), torch.randn(600, 64, generator=generator)
     layer = PackedLinear(weight)
-    assert 2 <= layer.invariant_rows_per_call <= PROBED_ROW_COUNTS[-1]
-    assert set_batch_invariant(layer, True) == layer.rows_per_call == layer.invariant_rows_per_call
+    fewest, most = layer.invariant_row_range
+    assert 1 <= fewest < most <= MOST_ROWS_PER_CALL
+    assert set_batch_invariant(layer, True) == layer.row_range == layer.invariant_row_range
     sliced = layer(x)
     assert set_batch_invariant(layer, False) is None
-    assert layer.rows_per_call is None
+    assert layer.row_range is None
     torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sliced, x @ weight.T, rtol=1e-5, atol=1e-5)
 
