@@ -15,6 +15,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.core.config import INVARIANT_ROWS
@@ -133,6 +134,7 @@ def probe_row_ranges(shapes: tuple[tuple[int, int, bool], ...], dtype: torch.dty
     return tuple(ranges)
 
 
+@functools.cache  # asked on every call of every layer: a lookup, not a search
 def choose_row_range(ranges: tuple[RowRange, ...], favour: str) -> RowRange:
     """``throughput``: the widest of ``ranges``, so that big batches run in few calls; ``latency``: the first that
     spans at least ``ROW_GRANULE`` counts, so that a lone decode runs as one row or two (a range of a lone row only,
@@ -188,7 +190,7 @@ class _RowSlicedMatmul(nn.Module):
         padding = row_range.padded(rows) - rows
         if padding == 0:
             return self._multiply(x, *rest)
-        return self._multiply(*(torch.cat((t, t.new_zeros(padding, t.shape[1]))) for t in (x, *rest)))[:rows]
+        return self._multiply(*(F.pad(t, (0, 0, 0, padding)) for t in (x, *rest)))[:rows]  # zero rows
 
 
 class PackedLinear(_RowSlicedMatmul):
