@@ -76,10 +76,7 @@ class RowRange(NamedTuple):
 
 def probed_row_counts(fewest: int) -> list[int]:
     """The row counts the calls of a range that starts at ``fewest`` are given (``RowRange.padded``), in order."""
-    small = list(range(fewest, ROW_GRANULE + 1))
-    first = [] if small else [fewest]
-    granules = range(ROW_GRANULE * (max(fewest, ROW_GRANULE) // ROW_GRANULE + 1), MOST_ROWS_PER_CALL + 1, ROW_GRANULE)
-    return [*small, *first, *granules]
+    return sorted({RowRange(fewest, MOST_ROWS_PER_CALL).padded(rows) for rows in range(1, MOST_ROWS_PER_CALL + 1)})
 
 
 class _ProbedMatmul:
