@@ -12,10 +12,10 @@ simply faster here.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.core.config import INVARIANT_ROWS
@@ -39,6 +39,11 @@ def _cpu_packs_bfloat16() -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _prepack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered into oneDNN's blocked layout for this CPU (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
 # The most rows one call is ever given (the probe's last count; more run in slices).
@@ -105,24 +110,23 @@ class _ProbedMatmul:
 
 
 @functools.cache
-def probe_row_ranges(shapes: tuple[tuple[int, int, bool], ...], dtype: torch.dtype) -> tuple[RowRange, ...]:
-    """Every range of row counts whose oneDNN kernels agree for each of ``shapes`` ((in, out, has bias): one layer's
-    matmuls), for calls padded as ``RowRange.padded`` pads them: a row's result is the same bits at any position of
-    a call of any count the range gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels
-    sum in different orders). On an Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP, whose down
-    projection has K = 1536: 1-32, then 33 to 36 one count each, and 37-240); in float32 a lone row has a kernel of
-    its own at K = 1536, then 2-256 agree; on an AMD EPYC with AVX512-BF16 the tests found counts from two rows up
-    to agree in both dtypes. Once per layer shape and process, where batch invariance is asked for: 0.1-0.3 s,
-    about 1 s for the LM head (49,152 x 576: each call reads 57 MB in bfloat16), 1.6 s in float32."""
-    matmuls = [_ProbedMatmul(*shape, dtype) for shape in shapes]
+def probe_row_ranges(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> tuple[RowRange, ...]:
+    """Every range of row counts whose oneDNN kernels agree for this matmul shape, for calls padded as
+    ``RowRange.padded`` pads them: a row's result is the same bits at any position of a call of any count the range
+    gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels sum in different orders). On an
+    Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP's down projection, K = 1536: 1-32, then 33 to 36
+    one count each, and 37-240); in float32 a lone row has a kernel of its own at K = 1536, then 2-256 agree; on an
+    AMD EPYC with AVX512-BF16 the tests found counts from two rows up to agree in both dtypes. Once per shape and
+    process, where batch invariance is asked for: 0.1-0.3 s, about 1 s for the LM head (49,152 x 576: each call
+    reads 57 MB in bfloat16), 1.6 s in float32."""
+    matmul = _ProbedMatmul(in_features, out_features, has_bias, dtype)
     ranges: list[RowRange] = []
     fewest = 1
     while MOST_ROWS_PER_CALL - fewest > max((r.width for r in ranges), default=-1):  # or no wider one is left
-        for matmul in matmuls:
-            matmul.alone = []
+        matmul.alone = []
         agreed = 0
         for count in probed_row_counts(fewest):
-            if not all(matmul.agrees(fewest, count) for matmul in matmuls):
+            if not matmul.agrees(fewest, count):
                 break
             agreed = count
         if agreed:
@@ -145,28 +149,30 @@ def choose_row_range(ranges: tuple[RowRange, ...], favour: str) -> RowRange:
 
 
 class _RowSlicedMatmul(nn.Module):
-    """A packed layer that gives oneDNN only row counts whose kernels agree, while ``batch_invariant``: the range of
-    them ``favour`` picks (``invariant_row_range``, probed on first use). Fewer rows are padded with zeros up to its
-    fewest (a lone row runs as two where it has a kernel of its own; on an Intel Xeon with AMX in bfloat16, as 33
-    or 37 rows for throughput, a quarter slower than one row, while 128 rows run in a call where slices of 32 took
-    twice as long), counts above ``ROW_GRANULE`` up to a multiple of it, more than its most run in slices. Each
-    row's result is then the same whatever the batch around it (tests/engine/model/test_packed_linear.py), so a
-    decode's logits do not depend on what else ran in its step."""
+    """A packed layer (one matmul shape ``in_features`` -> ``out_features``, called once or more per forward) that
+    gives oneDNN only row counts whose kernels agree, while ``batch_invariant``: the range of them ``favour`` picks
+    (``invariant_row_range``, probed on first use). Fewer rows are padded up to its fewest (a lone row runs as two
+    where it has a kernel of its own; on an Intel Xeon with AMX in bfloat16, as 33 or 37 rows for throughput, a
+    fifth slower than one row, while 128 rows run in a call where slices of 32 took twice as long), counts above
+    ``ROW_GRANULE`` up to a multiple of it, more than its most run in slices. Each row's result is then the same
+    whatever the batch around it (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on
+    what else ran in its step."""
 
     batch_invariant = True  # per layer: set_batch_invariant()
     favour = "throughput"  # per layer: set_batch_invariant()
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    has_bias = False
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """The bare oneDNN call(s) on every row given."""
         raise NotImplementedError
 
-    def _probe(self) -> tuple[RowRange, ...]:
-        """``probe_row_ranges()`` for the layer's matmuls."""
-        raise NotImplementedError
-
     @functools.cached_property
     def invariant_row_ranges(self) -> tuple[RowRange, ...]:
-        return self._probe()
+        # Element-wise work fused into a call runs on finished output tiles, so the kernel decides the sums' order.
+        return probe_row_ranges(self.in_features, self.out_features, self.has_bias, self.dtype)
 
     @property
     def invariant_row_range(self) -> RowRange:
@@ -184,10 +190,33 @@ class _RowSlicedMatmul(nn.Module):
         if rows > row_range.most:
             slices = [slice(start, start + row_range.most) for start in range(0, rows, row_range.most)]
             return torch.cat([self.forward(x[part], *(t[part] for t in rest)) for part in slices])
-        padding = row_range.padded(rows) - rows
-        if padding == 0:
+        padded_rows = row_range.padded(rows)
+        if padded_rows == rows:
             return self._multiply(x, *rest)
-        return self._multiply(*(F.pad(t, (0, 0, 0, padding)) for t in (x, *rest)))[:rows]  # zero rows
+        inputs = (_PADDING.rows_then_padding(slot, t, padded_rows) for slot, t in enumerate((x, *rest)))
+        return self._multiply(*inputs)[:rows]
+
+
+class _PaddingBuffers(threading.local):
+    """Where a padded call's arguments are copied: one buffer of ``MOST_ROWS_PER_CALL`` rows per argument position,
+    width and dtype, per thread. Each output row of a matmul (and of its fused element-wise work) depends only on
+    its own input row, so the padding rows can hold whatever earlier calls left there: copying into a kept buffer
+    saves allocating and zeroing a padded copy on every call (one stream's decode step: about 1.5 ms of 25, on a
+    CPU with AMX in bfloat16; docs/benchmarks.md)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def rows_then_padding(self, slot: int, rows: torch.Tensor, padded_rows: int) -> torch.Tensor:
+        key = (slot, rows.shape[1], rows.dtype)
+        if key not in self.by_key:
+            self.by_key[key] = torch.zeros(MOST_ROWS_PER_CALL, rows.shape[1], dtype=rows.dtype)
+        buffer = self.by_key[key]
+        buffer[: rows.shape[0]].copy_(rows)
+        return buffer[:padded_rows]
+
+
+_PADDING = _PaddingBuffers()
 
 
 class PackedLinear(_RowSlicedMatmul):
@@ -197,7 +226,7 @@ class PackedLinear(_RowSlicedMatmul):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.packed_weight = _prepack(weight)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.dtype = weight.dtype
 
@@ -205,47 +234,66 @@ class PackedLinear(_RowSlicedMatmul):
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-    def _probe(self) -> tuple[RowRange, ...]:
-        return probe_row_ranges(((self.in_features, self.out_features, self.bias is not None),), self.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PackedSwiGLU(_RowSlicedMatmul):
+class _SwiGLUInput(_RowSlicedMatmul):
+    """``silu(gate(x)) * up(x)``: two matmuls of one shape, SiLU (oneDNN's "swish") fused into the first, the
+    product into the second."""
+
+    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.gate, self.up = (_prepack(w) for w in (gate_weight, up_weight))
+        (self.out_features, self.in_features), self.dtype = up_weight.shape, up_weight.dtype
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
+
+
+class _ResidualDown(_RowSlicedMatmul):
+    """``residual + down(hidden)``, the sum fused into the matmul."""
+
+    def __init__(self, down_weight: torch.Tensor) -> None:
+        super().__init__()
+        self.down = _prepack(down_weight)
+        (self.out_features, self.in_features), self.dtype = down_weight.shape, down_weight.dtype
+
+    def _multiply(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(hidden, residual, self.down, None, "add")
+
+
+class PackedSwiGLU(nn.Module):
     """``residual + down(silu(gate(x)) * up(x))``, Llama's MLP plus the residual, in three prepacked oneDNN
-    matmuls whose element-wise work runs as fused post-ops on each output tile while it is in cache: SiLU
-    (oneDNN's "swish") on the gate, times the gate on the up projection, plus the residual on the down one."""
+    matmuls whose element-wise work runs as fused post-ops on each output tile while it is in cache. The two halves
+    take their row counts apart: on an Intel Xeon with AMX in bfloat16, the gate and up projections (K = 576) agree
+    from 33 rows on, the down projection (K = 1536) from 37, and a 37-row call of the gate or up projection costs
+    a fifth more than a 33-row one."""
 
     def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
         super().__init__()
-        self.gate, self.up, self.down = (
-            torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
-            for w in (gate_weight, up_weight, down_weight)
-        )
-        (self.intermediate_size, self.hidden_size), self.dtype = up_weight.shape, up_weight.dtype
+        self.swiglu = _SwiGLUInput(gate_weight, up_weight)
+        self.residual_down = _ResidualDown(down_weight)
 
-    def _multiply(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        linear = torch.ops.mkldnn._linear_pointwise
-        gate = linear(x, self.gate, None, "swish", [], "")
-        hidden = linear.binary(x, gate, self.up, None, "mul")
-        return linear.binary(hidden, residual, self.down, None, "add")
-
-    def _probe(self) -> tuple[RowRange, ...]:
-        # The element-wise work runs on finished output tiles, so the matmuls' kernels decide the sums' order.
-        hidden, intermediate = self.hidden_size, self.intermediate_size
-        return probe_row_ranges(((hidden, intermediate, False), (intermediate, hidden, False)), self.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.residual_down(self.swiglu(x), residual)
 
 
 def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "throughput") -> RowRange | None:
     """Every packed layer under ``module`` pads and slices its rows so that a row's result does not depend on the
     batch (``enabled``; probes each shape not probed yet), in the range of row counts ``favour`` picks
     (``choose_row_range``), or gives oneDNN every row at once (faster where its kernels change with the row count:
-    on a CPU with AMX, in bfloat16; docs/benchmarks.md). Returns the row counts every layer's calls now fall in
-    (the highest fewest, the lowest most), None for no limit."""
+    on a CPU with AMX, in bfloat16; docs/benchmarks.md). Returns the row counts every layer's range holds (the
+    highest fewest, the lowest most: a batch of fewer rows is padded in some layer, of more sliced), None for no
+    limit."""
     layers = [layer for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)]
     choose_row_range((RowRange(1, 1),), favour)  # a bad choice fails before any layer changes
     for layer in layers:
