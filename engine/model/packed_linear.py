@@ -210,7 +210,10 @@ class _PaddingBuffers(threading.local):
     def rows_then_padding(self, slot: int, rows: torch.Tensor, padded_rows: int) -> torch.Tensor:
         key = (slot, rows.shape[1], rows.dtype)
         if key not in self.by_key:
-            self.by_key[key] = torch.zeros(MOST_ROWS_PER_CALL, rows.shape[1], dtype=rows.dtype)
+            # A normal tensor even when first asked for under inference mode (as the engine runs): an inference
+            # tensor could not be written outside it.
+            with torch.inference_mode(False):
+                self.by_key[key] = torch.zeros(MOST_ROWS_PER_CALL, rows.shape[1], dtype=rows.dtype)
         buffer = self.by_key[key]
         buffer[: rows.shape[0]].copy_(rows)
         return buffer[:padded_rows]

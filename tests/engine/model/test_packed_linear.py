@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,29 @@ def test_a_result_stays_what_it_was_when_later_calls_pad_their_rows(favour):
         mlp(x[rows - 1 :] * 3, residual[rows - 1 :])
         linear(-x[rows - 1 :])
     assert all(torch.equal(result, copy) for result, copy in zip(results, kept, strict=True))
+
+
+@pytest.mark.parametrize("first_in_inference_mode", [True, False])
+def test_padded_calls_run_inside_and_outside_inference_mode_in_either_order(first_in_inference_mode):
+    # The engine runs under inference mode, tests and scripts outside it. Padding buffers are per thread, so in a
+    # fresh thread the first padded call (17 rows: padded to 32 on any CPU) creates them.
+    generator = torch.Generator().manual_seed(5)
+    weight, x = torch.randn(96, 64, generator=generator), torch.randn(17, 64, generator=generator)
+    linear = PackedLinear(weight)
+    set_batch_invariant(linear, True)
+    results: list[torch.Tensor] = []
+
+    def call_in_both_modes() -> None:
+        for inference in (first_in_inference_mode, not first_in_inference_mode):
+            with torch.inference_mode(inference):
+                results.append(linear(x))
+
+    thread = threading.Thread(target=call_in_both_modes)
+    thread.start()
+    thread.join()
+    assert len(results) == 2
+    for result in results:
+        torch.testing.assert_close(result, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fewest", [1, 2, 16, 17, 33, 37, 250])
