@@ -63,6 +63,11 @@ class SchedulerConfig:
 INVARIANT_ROWS = ("throughput", "latency")
 
 
+def check_invariant_rows(favour: str) -> None:
+    if favour not in INVARIANT_ROWS:
+        raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {favour!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -84,8 +89,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.invariant_rows not in INVARIANT_ROWS:
-            raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {self.invariant_rows!r}")
+        check_invariant_rows(self.invariant_rows)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.core.config import INVARIANT_ROWS
+from engine.core.config import check_invariant_rows
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -92,7 +92,7 @@ class _ProbedMatmul:
         weight = torch.randn(out_features, in_features, generator=generator)
         weight[:, -1] = weight[:, 0]
         self.bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None)
+        self.packed = _prepack(weight.to(dtype))
         rows = torch.randn(2 * MOST_ROWS_PER_CALL, in_features, generator=generator)
         rows[:, 0], rows[:, -1] = _PROBE_BIG, -_PROBE_BIG
         self.rows = rows.to(dtype)
@@ -141,10 +141,9 @@ def choose_row_range(ranges: tuple[RowRange, ...], favour: str) -> RowRange:
     spans at least ``ROW_GRANULE`` counts, so that a lone decode runs as one row or two (a range of a lone row only,
     as float32 has at K = 1536, would cut every batch into single rows). A single count always agrees with itself,
     so there is a range."""
+    check_invariant_rows(favour)
     if favour == "latency":
         return next((r for r in ranges if r.width >= ROW_GRANULE), max(ranges, key=lambda r: r.width))
-    if favour != "throughput":
-        raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {favour!r}")
     return max(ranges, key=lambda r: (r.width, -r.fewest))
 
 
@@ -245,7 +244,7 @@ class PackedLinear(_RowSlicedMatmul):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
 
 
 class _SwiGLUInput(_RowSlicedMatmul):
@@ -298,7 +297,7 @@ def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "through
     highest fewest, the lowest most: a batch of fewer rows is padded in some layer, of more sliced), None for no
     limit."""
     layers = [layer for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)]
-    choose_row_range((RowRange(1, 1),), favour)  # a bad choice fails before any layer changes
+    check_invariant_rows(favour)  # before any layer changes
     for layer in layers:
         layer.batch_invariant, layer.favour = enabled, favour
     if not enabled or not layers:
