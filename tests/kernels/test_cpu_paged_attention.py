@@ -96,23 +96,41 @@ def test_long_contexts_with_sharp_scores_match_float64(head_dim):
     assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5), (out.double() - expected).abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 48])
-def test_prefill_rows_attend_causally_and_match_the_same_query_as_a_decode(dtype, head_dim):
-    _, k_cache, v_cache, block_tables, seq_lens, scale = make_case(11, 3, 9, 3, 16, 200, head_dim)
-    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
-    # Every position of every sequence as a row (a whole prompt each), in one call, in a shuffled order.
+def whole_prompts(seq_lens):
+    """Every position of every sequence as a row, the sequences one after another (as a step gives prompts)."""
     row_seqs = torch.cat([torch.full((int(n),), i) for i, n in enumerate(seq_lens)])
     row_lens = torch.cat([torch.arange(1, int(n) + 1) for n in seq_lens])
-    order = torch.randperm(len(row_seqs), generator=torch.Generator().manual_seed(0))
-    row_seqs, row_lens = row_seqs[order], row_lens[order]
-    queries = torch.randn(len(row_seqs), 9, head_dim, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return row_seqs, row_lens
+
+
+# (query dtype, cache dtype): a bfloat16 model, a float32 one, and float32 queries over a bfloat16 cache.
+DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), HEAD_SHAPES)
+def test_prefill_rows_attend_causally_and_match_the_same_query_as_a_decode(
+    q_dtype, cache_dtype, num_heads, num_kv_heads, head_dim
+):
+    # Sequences of 1 to 200 tokens in blocks of 16, every head shape and dtype mix: each row gives the same bits with
+    # its prompt in order (as a step gives it), with every row of the call shuffled, and alone as a decode.
+    _, k_cache, v_cache, block_tables, seq_lens, scale = make_case(11, 4, num_heads, num_kv_heads, 16, 200, head_dim)
+    seq_lens[0] = 1
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    row_seqs, row_lens = whole_prompts(seq_lens)
+    queries = torch.randn(len(row_seqs), num_heads, head_dim, generator=torch.Generator().manual_seed(1)).to(q_dtype)
     out = paged_attention_cpu(queries, k_cache, v_cache, block_tables, row_seqs, row_lens, scale)
+    order = torch.randperm(len(row_seqs), generator=torch.Generator().manual_seed(0))
+    shuffled = paged_attention_cpu(
+        queries[order], k_cache, v_cache, block_tables, row_seqs[order], row_lens[order], scale
+    )
+    assert torch.equal(shuffled, out[order])
     for row in range(0, len(row_seqs), 37):
         seq, length = int(row_seqs[row]), int(row_lens[row])
         keys, values = (c[block_tables[seq]].flatten(0, 1)[:length] for c in (k_cache, v_cache))
         expected = dense_float64(queries[row : row + 1].double(), keys.double(), values.double(), scale)
-        assert torch.allclose(out[row : row + 1].double(), expected, rtol=2**-7, atol=2**-7)
+        tolerance = 1e-5 if q_dtype == torch.float32 else 2**-7
+        assert torch.allclose(out[row : row + 1].double(), expected, rtol=tolerance, atol=tolerance)
         # The same query at the same position alone, as a decode of a context that ends there: the same bits.
         alone = paged_attention_cpu(
             queries[row : row + 1], k_cache, v_cache, block_tables, row_seqs[row : row + 1], row_lens[row : row + 1],
