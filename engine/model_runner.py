@@ -45,7 +45,7 @@ class ModelRunner:
         # "onednn-packed" and how many rows a call takes when that keeps each row's result batch-invariant.
         self.matmul = "torch"
         if packing_applies(self.device, parameter.dtype):
-            model.pack_linear_weights()
+            model.pack_linear_weights(invariant_rows if batch_invariant else "throughput")
             rows = set_batch_invariant(model, batch_invariant, invariant_rows)
             invariance = "" if rows is None else f", batch-invariant in calls of {rows.fewest}-{rows.most} rows"
             self.matmul = "onednn-packed" + invariance

@@ -122,9 +122,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return residual + self.down_proj(F.silu(gate) * up)
 
-    def packed(self) -> PackedSwiGLU:
+    def packed(self, favour: str = "throughput") -> PackedSwiGLU:
         gate, up = self.gate_up_proj.weight.split(self.intermediate_size)
-        return PackedSwiGLU(gate, up, self.down_proj.weight)
+        return PackedSwiGLU(gate, up, self.down_proj.weight, favour)
 
 
 class DecoderLayer(nn.Module):
@@ -174,16 +174,17 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def pack_linear_weights(self) -> None:
-        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``); the MLPs run their
+    def pack_linear_weights(self, favour: str = "throughput") -> None:
+        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``), each in the layout that
+        batch-invariant calls favouring ``favour`` run best with (``choose_layout``); the MLPs run their
         element-wise work as fused post-ops. A head tied to the embeddings gets its own packed copy, the
         embedding lookup keeps the plain matrix. Weights cannot be loaded afterwards."""
         for layer in self.layers:
             if isinstance(layer.mlp, MLP):
-                layer.mlp = layer.mlp.packed()
-        pack_linear_layers(self)
+                layer.mlp = layer.mlp.packed(favour)
+        pack_linear_layers(self, favour)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight)
+            self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour)
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same

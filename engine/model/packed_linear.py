@@ -41,9 +41,16 @@ def _cpu_packs_bfloat16() -> bool:
     return True
 
 
-def _prepack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight reordered into oneDNN's blocked layout for this CPU (an opaque tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+# How a prepacked weight is laid out, by the batch size oneDNN is told to expect: "batch" (its default, for calls of
+# many rows) or "vector" (for one row). On an Intel Xeon with AMX in bfloat16 the kernels of a "vector" weight sum
+# in the same order at every row count the probe tries (1-256; the MLP's down projection, K = 1536: 1-144), where a
+# "batch" weight's change at 33 rows.
+WEIGHT_LAYOUTS = {"batch": None, "vector": 1}
+
+
+def _prepack(weight: torch.Tensor, layout: str = "batch") -> torch.Tensor:
+    """The weight reordered into oneDNN's blocked ``layout`` for this CPU (an opaque tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), WEIGHT_LAYOUTS[layout])
 
 
 # The most rows one call is ever given (the probe's last count; more run in slices).
@@ -87,12 +94,12 @@ def probed_row_counts(fewest: int) -> list[int]:
 class _ProbedMatmul:
     """One matmul shape as the probe multiplies it: rows that expose any change in the order of the sums."""
 
-    def __init__(self, in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype, layout: str) -> None:
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(out_features, in_features, generator=generator)
         weight[:, -1] = weight[:, 0]
         self.bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
-        self.packed = _prepack(weight.to(dtype))
+        self.packed = _prepack(weight.to(dtype), layout)
         rows = torch.randn(2 * MOST_ROWS_PER_CALL, in_features, generator=generator)
         rows[:, 0], rows[:, -1] = _PROBE_BIG, -_PROBE_BIG
         self.rows = rows.to(dtype)
@@ -110,16 +117,19 @@ class _ProbedMatmul:
 
 
 @functools.cache
-def probe_row_ranges(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype) -> tuple[RowRange, ...]:
-    """Every range of row counts whose oneDNN kernels agree for this matmul shape, for calls padded as
-    ``RowRange.padded`` pads them: a row's result is the same bits at any position of a call of any count the range
-    gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels sum in different orders). On an
-    Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP's down projection, K = 1536: 1-32, then 33 to 36
-    one count each, and 37-240); in float32 a lone row has a kernel of its own at K = 1536, then 2-256 agree; on an
-    AMD EPYC with AVX512-BF16 the tests found counts from two rows up to agree in both dtypes. Once per shape and
+def probe_row_ranges(
+    in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype, layout: str = "batch"
+) -> tuple[RowRange, ...]:
+    """Every range of row counts whose oneDNN kernels agree for this matmul shape and weight layout, for calls
+    padded as ``RowRange.padded`` pads them: a row's result is the same bits at any position of a call of any count
+    the range gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels sum in different
+    orders). On an Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP's down projection, K = 1536: 1-32,
+    then 33 to 36 one count each, and 37-240), and with the "vector" layout (``WEIGHT_LAYOUTS``) 1-256 (the down
+    projection: 1-144); in float32 a lone row has a kernel of its own at K = 1536, then 2-256 agree; on an AMD EPYC
+    with AVX512-BF16 the tests found counts from two rows up to agree in both dtypes. Once per shape, layout and
     process, where batch invariance is asked for: 0.1-0.3 s, about 1 s for the LM head (49,152 x 576: each call
     reads 57 MB in bfloat16), 1.6 s in float32."""
-    matmul = _ProbedMatmul(in_features, out_features, has_bias, dtype)
+    matmul = _ProbedMatmul(in_features, out_features, has_bias, dtype, layout)
     ranges: list[RowRange] = []
     fewest = 1
     while MOST_ROWS_PER_CALL - fewest > max((r.width for r in ranges), default=-1):  # or no wider one is left
@@ -147,6 +157,23 @@ def choose_row_range(ranges: tuple[RowRange, ...], favour: str) -> RowRange:
     return max(ranges, key=lambda r: (r.width, -r.fewest))
 
 
+def choose_layout(in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype, favour: str) -> str:
+    """The weight layout for batch-invariant calls that favour ``favour`` (``choose_row_range``): ``throughput``
+    keeps oneDNN's layout for batches (its kernels run big batches fastest); ``latency`` takes the layout whose range
+    for a lone decode starts lowest and then spans most counts (probing both). On an Intel Xeon with AMX in bfloat16
+    that is "vector": a lone row runs alone and batches run in calls of up to 144-256 rows, where the batch layout's
+    range for lone rows ends at 32."""
+    check_invariant_rows(favour)
+    if favour == "throughput":
+        return "batch"
+
+    def lone_row_range(layout: str) -> tuple[int, int]:
+        chosen = choose_row_range(probe_row_ranges(in_features, out_features, has_bias, dtype, layout), favour)
+        return -chosen.fewest, chosen.width
+
+    return max(WEIGHT_LAYOUTS, key=lone_row_range)  # on a tie the first, "batch"
+
+
 class _RowSlicedMatmul(nn.Module):
     """A packed layer (one matmul shape ``in_features`` -> ``out_features``, called once or more per forward) that
     gives oneDNN only row counts whose kernels agree, while ``batch_invariant``: the range of them ``favour`` picks
@@ -163,6 +190,12 @@ class _RowSlicedMatmul(nn.Module):
     out_features: int
     dtype: torch.dtype
     has_bias = False
+    layout = "batch"  # of the packed weights (WEIGHT_LAYOUTS), fixed when they are packed
+
+    def _pack(self, weight: torch.Tensor, favour: str) -> torch.Tensor:
+        """``weight`` packed in the layout ``favour`` picks for this layer's shape (``choose_layout``)."""
+        self.layout = choose_layout(self.in_features, self.out_features, self.has_bias, self.dtype, favour)
+        return _prepack(weight, self.layout)
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """The bare oneDNN call(s) on every row given."""
@@ -171,7 +204,7 @@ class _RowSlicedMatmul(nn.Module):
     @functools.cached_property
     def invariant_row_ranges(self) -> tuple[RowRange, ...]:
         # Element-wise work fused into a call runs on finished output tiles, so the kernel decides the sums' order.
-        return probe_row_ranges(self.in_features, self.out_features, self.has_bias, self.dtype)
+        return probe_row_ranges(self.in_features, self.out_features, self.has_bias, self.dtype, self.layout)
 
     @property
     def invariant_row_range(self) -> RowRange:
@@ -224,17 +257,16 @@ _PADDING = _PaddingBuffers()
 class PackedLinear(_RowSlicedMatmul):
     """``x @ weight.T + bias`` through oneDNN with the weight prepacked; holds no copy of the plain weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, favour: str = "throughput") -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
-        self.packed_weight = _prepack(weight)
+        (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.dtype = weight.dtype
+        # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
+        self.packed_weight = self._pack(weight, favour)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.weight, linear.bias)
+    def from_linear(cls, linear: nn.Linear, favour: str = "throughput") -> PackedLinear:
+        return cls(linear.weight, linear.bias, favour)
 
     @property
     def has_bias(self) -> bool:
@@ -251,10 +283,10 @@ class _SwiGLUInput(_RowSlicedMatmul):
     """``silu(gate(x)) * up(x)``: two matmuls of one shape, SiLU (oneDNN's "swish") fused into the first, the
     product into the second."""
 
-    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor) -> None:
+    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, favour: str) -> None:
         super().__init__()
-        self.gate, self.up = (_prepack(w) for w in (gate_weight, up_weight))
         (self.out_features, self.in_features), self.dtype = up_weight.shape, up_weight.dtype
+        self.gate, self.up = (self._pack(w, favour) for w in (gate_weight, up_weight))
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
@@ -264,10 +296,10 @@ class _SwiGLUInput(_RowSlicedMatmul):
 class _ResidualDown(_RowSlicedMatmul):
     """``residual + down(hidden)``, the sum fused into the matmul."""
 
-    def __init__(self, down_weight: torch.Tensor) -> None:
+    def __init__(self, down_weight: torch.Tensor, favour: str) -> None:
         super().__init__()
-        self.down = _prepack(down_weight)
         (self.out_features, self.in_features), self.dtype = down_weight.shape, down_weight.dtype
+        self.down = self._pack(down_weight, favour)
 
     def _multiply(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise.binary(hidden, residual, self.down, None, "add")
@@ -280,10 +312,12 @@ class PackedSwiGLU(nn.Module):
     from 33 rows on, the down projection (K = 1536) from 37, and a 37-row call of the gate or up projection costs
     a fifth more than a 33-row one."""
 
-    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor) -> None:
+    def __init__(
+        self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, favour: str = "throughput"
+    ) -> None:
         super().__init__()
-        self.swiglu = _SwiGLUInput(gate_weight, up_weight)
-        self.residual_down = _ResidualDown(down_weight)
+        self.swiglu = _SwiGLUInput(gate_weight, up_weight, favour)
+        self.residual_down = _ResidualDown(down_weight, favour)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.residual_down(self.swiglu(x), residual)
@@ -306,12 +340,13 @@ def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "through
     return RowRange(max(r.fewest for r in ranges), min(r.most for r in ranges))
 
 
-def pack_linear_layers(module: nn.Module) -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many were replaced."""
+def pack_linear_layers(module: nn.Module, favour: str = "throughput") -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` in the layout ``favour`` picks
+    (``choose_layout``); returns how many were replaced."""
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(child))
+                setattr(parent, name, PackedLinear.from_linear(child, favour))
                 replaced += 1
     return replaced

@@ -58,7 +58,22 @@ def real_model_bfloat16(real_source):
     return real_source.load_model(dtype=torch.bfloat16, device="cpu", backend=CpuAttentionBackend())
 
 
-def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionMode, **faults: int):
+@pytest.fixture(scope="module")
+def real_model_bfloat16_latency(real_source):
+    """The same, for engines whose batch-invariant matmuls favour latency (packed in the layout that serves a lone
+    decode best: on a CPU with AMX, the "vector" layout, whose kernels agree from one row up)."""
+    return real_source.load_model(dtype=torch.bfloat16, device="cpu", backend=CpuAttentionBackend())
+
+
+def run(
+    real_model,
+    real_tokenizer,
+    workload,
+    num_blocks: int,
+    mode: PreemptionMode,
+    invariant_rows: str = "throughput",
+    **faults: int,
+):
     bytes_per_block = kv_cache_bytes_per_block(real_model.config, BLOCK_SIZE, next(real_model.parameters()).dtype)
     llm = LLM(
         tokenizer=real_tokenizer,
@@ -70,6 +85,7 @@ def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionM
         max_num_batched_tokens=256,
         preemption_mode=mode,
         debug_invariants=True,
+        invariant_rows=invariant_rows,
     )
     llm.engine.update_faults(**faults)
     prompts, params = workload
@@ -79,8 +95,8 @@ def run(real_model, real_tokenizer, workload, num_blocks: int, mode: PreemptionM
     return completions, llm.engine
 
 
-def ample_pool_run(model, real_tokenizer, workload):
-    completions, engine = run(model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE)
+def ample_pool_run(model, real_tokenizer, workload, invariant_rows="throughput"):
+    completions, engine = run(model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE, invariant_rows)
     assert not engine.preemption_log
     return completions
 
@@ -95,14 +111,28 @@ def reference_bfloat16(real_model_bfloat16, real_tokenizer, workload):
     return ample_pool_run(real_model_bfloat16, real_tokenizer, workload)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, dtype):
+@pytest.fixture(scope="module")
+def reference_bfloat16_latency(real_model_bfloat16_latency, real_tokenizer, workload):
+    return ample_pool_run(real_model_bfloat16_latency, real_tokenizer, workload, "latency")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "invariant_rows", "model_name"),
+    [
+        ("float32", "throughput", "real_model"),
+        ("bfloat16", "throughput", "real_model_bfloat16"),
+        ("bfloat16", "latency", "real_model_bfloat16_latency"),
+    ],
+)
+def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, dtype, invariant_rows, model_name):
     # float32 with the torch reference backend; bfloat16 with the compiled one, whose every row's attention is
     # computed alone (kernels/csrc/paged_attention.cpp), so a prompt chunked differently after a preemption rounds
-    # the same. With PyTorch's SDPA for prefill, bfloat16 did not.
-    model = request.getfixturevalue({"float32": "real_model", "bfloat16": "real_model_bfloat16"}[dtype])
-    reference = request.getfixturevalue({"float32": "reference", "bfloat16": "reference_bfloat16"}[dtype])
-    completions, engine = run(model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP)
+    # the same. With PyTorch's SDPA for prefill, bfloat16 did not. Either setting of the matmuls' row counts.
+    model = request.getfixturevalue(model_name)
+    reference = request.getfixturevalue(model_name.replace("real_model", "reference"))
+    completions, engine = run(
+        model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP, invariant_rows
+    )
     assert sum(p.mode is PreemptionMode.SWAP for p in engine.preemption_log) >= 5, "the pool must force real swapping"
     assert sum(c.num_preemptions > 0 for c in completions) >= 3
     for ours, expected in zip(completions, reference, strict=True):

@@ -11,12 +11,15 @@ from torch import nn
 from engine.model.packed_linear import (
     MOST_ROWS_PER_CALL,
     ROW_GRANULE,
+    WEIGHT_LAYOUTS,
     PackedLinear,
     PackedSwiGLU,
     RowRange,
+    choose_layout,
     choose_row_range,
     pack_linear_layers,
     packing_applies,
+    probe_row_ranges,
     probed_row_counts,
     set_batch_invariant,
 )
@@ -83,16 +86,18 @@ def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
 def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype, favour):
     # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel,
     # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers pad and slice their rows, as
-    # probed: 1 row -> 33 or 37 there, 65 -> 80, 300 -> 240 + 60 padded to 64).
+    # probed: 1 row -> 33 or 37 there, 65 -> 80, 300 -> 240 + 60 padded to 64); packed for latency there, in the
+    # "vector" layout, they run every count alone up to 144 or 256 rows.
     generator = torch.Generator().manual_seed(1)
-    down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype))
+    down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype), favour=favour)
     mlp = PackedSwiGLU(
-        *((torch.randn(*shape, generator=generator) / 20).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),))
+        *((torch.randn(*shape, generator=generator) / 20).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),)),
+        favour=favour,
     )
     hidden = torch.randn(300, 1536, generator=generator).to(dtype)
     x, residual = (torch.randn(300, 576, generator=generator).to(dtype) for _ in range(2))
     set_batch_invariant(nn.ModuleList([down, mlp]), True, favour)
-    for rows in (2, 3, 17, 33, 65, 300):
+    for rows in (2, 3, 17, 33, 65, 145, 300):
         assert torch.equal(down(hidden[:1])[0], down(hidden[:rows])[0]), rows
         assert torch.equal(mlp(x[:1], residual[:1])[0], mlp(x[:rows], residual[:rows])[0]), rows
         assert torch.equal(down(hidden[rows - 1 : rows])[0], down(hidden[:rows])[rows - 1]), rows
@@ -128,6 +133,37 @@ def test_the_model_mlp_runs_a_lone_row_unpadded_for_latency_and_in_the_widest_ra
     for half in halves:
         assert half.row_range == max(half.invariant_row_ranges, key=lambda r: r.width)
     assert throughput == (max(h.row_range.fewest for h in halves), min(h.row_range.most for h in halves))
+
+
+def lone_row_key(layout, shape, dtype):
+    """How well the range a latency-favouring layer of this layout takes serves a lone decode: the lower its first
+    count and then the more counts it spans, the better."""
+    chosen = choose_row_range(probe_row_ranges(*shape, False, dtype, layout), "latency")
+    return -chosen.fewest, chosen.width
+
+
+@pytest.mark.parametrize(
+    "dtype", [dtype for dtype in (torch.float32, torch.bfloat16) if packing_applies(torch.device("cpu"), dtype)]
+)
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576)])  # the MLP's gate/up and down projections
+def test_latency_packs_each_weight_in_the_layout_best_for_a_lone_decode_and_throughput_in_the_batch_layout(
+    dtype, shape
+):
+    assert choose_layout(*shape, False, dtype, "throughput") == "batch"
+    chosen = choose_layout(*shape, False, dtype, "latency")
+    keys = {layout: lone_row_key(layout, shape, dtype) for layout in WEIGHT_LAYOUTS}
+    assert keys[chosen] == max(keys.values())
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+        # The batch layout's kernels change at 33 rows; the vector layout's agree from one row up to 256 (144 at
+        # K = 1536), so a latency-favouring layer runs a lone row alone and a batch in few calls.
+        assert probe_row_ranges(*shape, False, dtype, "batch")[0] == RowRange(1, 32)
+        assert chosen == "vector"
+        assert probe_row_ranges(*shape, False, dtype, "vector")[0] == RowRange(1, 256 if shape[0] == 576 else 144)
+    mlp = PackedSwiGLU(*(torch.randn(*s).to(dtype) for s in ((1536, 576),) * 2 + ((576, 1536),)), favour="latency")
+    half = mlp.swiglu if shape == (576, 1536) else mlp.residual_down
+    assert half.layout == chosen
+    set_batch_invariant(mlp, True, "latency")
+    assert half.row_range == choose_row_range(probe_row_ranges(*shape, False, dtype, chosen), "latency")
 
 
 @pytest.mark.parametrize("favour", ["throughput", "latency"])
