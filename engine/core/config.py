@@ -78,7 +78,8 @@ class EngineConfig:
     # packed CPU matmuls take every row at once, faster where their kernels change with the row count (AMX).
     batch_invariant: bool = True
     # Where the CPU matmuls' kernels agree in more than one range of row counts, the one they take (INVARIANT_ROWS):
-    # "throughput" (the widest: big batches in few calls) or "latency" (a lone decode is not padded).
+    # "throughput" (the widest: big batches in few calls) or "latency" (a lone decode is not padded; the weights are
+    # packed in the layout whose range for a lone row spans most counts: engine.model.packed_linear.choose_layout).
     invariant_rows: str = "throughput"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
