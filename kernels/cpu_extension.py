@@ -1,6 +1,6 @@
-"""kvstorm's C++ kernels for the CPU (``kernels/csrc``): decode attention from the paged cache, RMSNorm and rotary
-embeddings. Built on first use with PyTorch's JIT extension loader (needs a C++ compiler and ninja) and cached
-under ``TORCH_EXTENSIONS_DIR``.
+"""kvstorm's C++ kernels for the CPU (``kernels/csrc``): attention from the paged cache, bfloat16 matmuls on AMX
+tiles, RMSNorm and rotary embeddings, greedy's argmax. Built on first use with PyTorch's JIT extension loader (needs a
+C++ compiler and ninja) and cached under ``TORCH_EXTENSIONS_DIR``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""bfloat16 matmuls on Intel's AMX tiles (``kernels/csrc/amx_matmul.cpp``) for the model's linear layers.
+
+Each output element is one chain of tile products over the inputs in a fixed order, so a row's result is the same
+bits in a call of any row count: batch-invariant by construction, with no probing, padding or slicing (oneDNN's
+kernels change their order of sums with the row count). A lone decode row streams its weights from memory at the
+bandwidth, where oneDNN's AMX kernels ran at about two thirds of it (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.cpu_extension import compiled_kernels, cpu_kernels_available
+
+# A packed weight is tiles of this many output columns by TILE_DEPTH inputs; a call multiplies two column tiles at a
+# time, so the kernels take layers whose outputs are a multiple of 2 * TILE_COLUMNS.
+TILE_COLUMNS = 16
+TILE_DEPTH = 32
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether the CPU kernels built with AMX here (a CPU with AMX-BF16, e.g. Intel Xeon from Sapphire Rapids on)
+    and the OS lets this process use the tiles."""
+    return cpu_kernels_available() and compiled_kernels().amx_matmul_available()
+
+
+def amx_matmul_applies(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Whether a layer of this shape and dtype runs on the AMX kernels here."""
+    shape_fits = in_features % TILE_DEPTH == 0 and out_features % (2 * TILE_COLUMNS) == 0
+    return dtype == torch.bfloat16 and shape_fits and amx_available()
+
+
+def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in AMX tiles [out / 16, in / 32, 16, 32] (a plain bfloat16 tensor)."""
+    return compiled_kernels().amx_pack_weight(weight.detach())
+
+
+def pack_swiglu_for_amx(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gate and up weights in AMX tiles, each gate tile followed by the up tile of the same 16 outputs: a call
+    multiplies the two together and finishes ``silu(gate) * up`` while both are in registers."""
+    return torch.stack([pack_for_amx(gate), pack_for_amx(up)], dim=1).flatten(0, 1)
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T (+ bias) (+ residual)`` for bfloat16 ``x`` [rows, in], summed in float32 and rounded once."""
+    out = torch.empty(x.shape[0], packed.shape[0] * TILE_COLUMNS, dtype=torch.bfloat16)
+    compiled_kernels().amx_linear(
+        out, _dense_rows(x), packed, bias, None if residual is None else _dense_rows(residual)
+    )
+    return out
+
+
+def amx_swiglu(x: torch.Tensor, packed_gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` for bfloat16 ``x`` [rows, in], in float32 and rounded once."""
+    out = torch.empty(x.shape[0], packed_gate_up.shape[0] // 2 * TILE_COLUMNS, dtype=torch.bfloat16)
+    compiled_kernels().amx_swiglu(out, _dense_rows(x), packed_gate_up)
+    return out
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
