@@ -107,6 +107,7 @@ class LLMEngine:
             self.faults,
             config.batch_invariant,
             config.invariant_rows,
+            config.matmul_kernel,
         )
         self.kv_cache_manager = KVCacheManager(
             BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size

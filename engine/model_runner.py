@@ -15,7 +15,7 @@ from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, mo
 from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
-from engine.model.packed_linear import packing_applies, set_batch_invariant
+from engine.model.packed_linear import describe_packed_matmuls, packing_applies, set_batch_invariant
 from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
 from kernels.cpu_argmax import argmax_rows_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
@@ -24,8 +24,8 @@ from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 class ModelRunner:
     """Owns the model, the device KV cache, the host swap cache and each request's random stream; raises the
     engine's faults (``engine.faults``) where a device would. On the CPU it prepacks the model's linear weights
-    for oneDNN and runs its norms and rotary embeddings through the compiled kernels where they build (in place: a
-    model handed to a runner serves inference only from then on)."""
+    for kvstorm's AMX kernels or oneDNN and runs its norms and rotary embeddings through the compiled kernels where
+    they build (in place: a model handed to a runner serves inference only from then on)."""
 
     def __init__(
         self,
@@ -36,19 +36,20 @@ class ModelRunner:
         faults: EngineFaults | None = None,
         batch_invariant: bool = True,
         invariant_rows: str = "throughput",
+        matmul_kernel: str = "auto",
     ) -> None:
         self.model = model
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
-        # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or
-        # "onednn-packed" and how many rows a call takes when that keeps each row's result batch-invariant.
+        # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or the packed
+        # layers' kernels and how many rows a call takes when that keeps each row's result batch-invariant
+        # (``describe_packed_matmuls``).
         self.matmul = "torch"
         if packing_applies(self.device, parameter.dtype):
-            model.pack_linear_weights(invariant_rows if batch_invariant else "throughput")
+            model.pack_linear_weights(invariant_rows if batch_invariant else "throughput", matmul_kernel)
             rows = set_batch_invariant(model, batch_invariant, invariant_rows)
-            invariance = "" if rows is None else f", batch-invariant in calls of {rows.fewest}-{rows.most} rows"
-            self.matmul = "onednn-packed" + invariance
+            self.matmul = describe_packed_matmuls(model, batch_invariant, rows)
         # "cpu-kernels" or "torch": how RMSNorm, rotary embeddings and greedy's argmax run (reported with the
         # matmuls).
         self.layer_ops = "torch"

@@ -12,7 +12,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.attention.selector import BACKENDS
-from engine.core.config import INVARIANT_ROWS, CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.config import (
+    INVARIANT_ROWS,
+    MATMUL_KERNELS,
+    CacheConfig,
+    EngineConfig,
+    PreemptionMode,
+    SchedulerConfig,
+)
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.serving.admission import AdmissionLimits
@@ -70,17 +77,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-batch-invariance",
         action="store_true",
-        help="let the CPU matmuls take a step's rows at once: faster where their kernels change with the row count "
-        "(bfloat16 on CPUs with AMX), but a request's tokens may then depend on what else ran in its step",
+        help="let oneDNN's CPU matmuls take a step's rows at once: faster where their kernels change with the row "
+        "count, but a request's tokens may then depend on what else ran in its step (kvstorm's AMX kernels are "
+        "invariant at any row count)",
     )
     group.add_argument(
         "--invariant-rows",
         choices=INVARIANT_ROWS,
         default=EngineConfig.invariant_rows,
-        help="where the CPU's matmul kernels agree in more than one range of row counts (bfloat16 on CPUs with "
-        "AMX), the one batch-invariant matmuls take: throughput (the widest: big batches in few calls) or latency "
-        "(a lone decode is not padded; each weight is packed in the oneDNN layout whose range for a lone row spans "
-        "most counts: on AMX in bfloat16, 1 to 144-256 rows)",
+        help="where oneDNN's matmul kernels agree in more than one range of row counts (bfloat16 on CPUs with AMX, "
+        "with --matmul-kernel onednn), the one batch-invariant matmuls take: throughput (the widest: big batches in "
+        "few calls) or latency (a lone decode is not padded; each weight is packed in the oneDNN layout whose range "
+        "for a lone row spans most counts: on AMX in bfloat16, 1 to 144-256 rows)",
+    )
+    group.add_argument(
+        "--matmul-kernel",
+        choices=MATMUL_KERNELS,
+        default=EngineConfig.matmul_kernel,
+        help="what multiplies the CPU's linear layers: auto (kvstorm's AMX kernels for bfloat16 on CPUs with AMX, "
+        "batch-invariant at any row count; oneDNN elsewhere) or onednn",
     )
     group.add_argument(
         "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value
@@ -107,6 +122,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "batch_invariant": not args.no_batch_invariance,
         "invariant_rows": args.invariant_rows,
+        "matmul_kernel": args.matmul_kernel,
         "preemption_mode": args.preemption_mode,
         "debug_invariants": args.debug_invariants,
         "seed": args.seed,

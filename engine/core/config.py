@@ -68,19 +68,32 @@ def check_invariant_rows(favour: str) -> None:
         raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {favour!r}")
 
 
+# What multiplies the CPU's packed linear layers: "auto" takes kvstorm's AMX kernels for bfloat16 where the CPU has
+# AMX (kernels.cpu_matmul) and oneDNN elsewhere; "onednn" always oneDNN.
+MATMUL_KERNELS = ("auto", "onednn")
+
+
+def check_matmul_kernel(kernel: str) -> None:
+    if kernel not in MATMUL_KERNELS:
+        raise ValueError(f"matmul_kernel must be one of {MATMUL_KERNELS}, got {kernel!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"
     device: str = "auto"
     attention_backend: str = "auto"
-    # Each request's tokens the same whatever else runs in its step (bit-identical preemption); off lets the
-    # packed CPU matmuls take every row at once, faster where their kernels change with the row count (AMX).
+    # Each request's tokens the same whatever else runs in its step (bit-identical preemption); off lets oneDNN's
+    # packed CPU matmuls take every row at once, faster where their kernels change with the row count (the AMX
+    # kernels are invariant at any count).
     batch_invariant: bool = True
-    # Where the CPU matmuls' kernels agree in more than one range of row counts, the one they take (INVARIANT_ROWS):
+    # Where oneDNN's matmul kernels agree in more than one range of row counts, the one they take (INVARIANT_ROWS):
     # "throughput" (the widest: big batches in few calls) or "latency" (a lone decode is not padded; the weights are
     # packed in the layout whose range for a lone row spans most counts: engine.model.packed_linear.choose_layout).
     invariant_rows: str = "throughput"
+    # MATMUL_KERNELS: kvstorm's AMX kernels where they apply ("auto") or oneDNN for every packed layer.
+    matmul_kernel: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Longest prompt + output; None means the model's own context length.
@@ -91,6 +104,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_invariant_rows(self.invariant_rows)
+        check_matmul_kernel(self.matmul_kernel)
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -122,9 +122,9 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return residual + self.down_proj(F.silu(gate) * up)
 
-    def packed(self, favour: str = "throughput") -> PackedSwiGLU:
+    def packed(self, favour: str = "throughput", kernel: str = "auto") -> PackedSwiGLU:
         gate, up = self.gate_up_proj.weight.split(self.intermediate_size)
-        return PackedSwiGLU(gate, up, self.down_proj.weight, favour)
+        return PackedSwiGLU(gate, up, self.down_proj.weight, favour, kernel)
 
 
 class DecoderLayer(nn.Module):
@@ -174,17 +174,18 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def pack_linear_weights(self, favour: str = "throughput") -> None:
-        """Prepack every matmul weight for oneDNN (CPU inference; see ``packed_linear``), each in the layout that
-        batch-invariant calls favouring ``favour`` run best with (``choose_layout``); the MLPs run their
-        element-wise work as fused post-ops. A head tied to the embeddings gets its own packed copy, the
-        embedding lookup keeps the plain matrix. Weights cannot be loaded afterwards."""
+    def pack_linear_weights(self, favour: str = "throughput", kernel: str = "auto") -> None:
+        """Prepack every matmul weight for CPU inference (see ``packed_linear``): in AMX tiles for kvstorm's kernels
+        where ``kernel`` is "auto" and they apply (``uses_amx``), else for oneDNN in the layout that batch-invariant
+        calls favouring ``favour`` run best with (``choose_layout``); the MLPs run their element-wise work fused
+        into the matmuls. A head tied to the embeddings gets its own packed copy, the embedding lookup keeps the
+        plain matrix. Weights cannot be loaded afterwards."""
         for layer in self.layers:
             if isinstance(layer.mlp, MLP):
-                layer.mlp = layer.mlp.packed(favour)
-        pack_linear_layers(self, favour)
+                layer.mlp = layer.mlp.packed(favour, kernel)
+        pack_linear_layers(self, favour, kernel)
         if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour)
+            self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour, kernel=kernel)
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same

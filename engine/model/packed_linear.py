@@ -1,4 +1,5 @@
-"""Linear layers whose weights are reordered once into oneDNN's blocked layout, for inference on the CPU.
+"""Linear layers whose weights are reordered once into oneDNN's blocked layout, or into AMX tiles for kvstorm's own
+kernels (bfloat16 on a CPU with AMX: ``kernels.cpu_matmul``), for inference on the CPU.
 
 ``F.linear`` on the CPU goes to MKL's sgemm. On the machine we measure on (an AMD
 EPYC with AVX-512), oneDNN's matmul on a prepacked weight (the op PyTorch's own
@@ -18,7 +19,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from engine.core.config import check_invariant_rows
+from engine.core.config import check_invariant_rows, check_matmul_kernel
+from kernels.cpu_matmul import amx_linear, amx_matmul_applies, amx_swiglu, pack_for_amx, pack_swiglu_for_amx
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -46,6 +48,16 @@ def _cpu_packs_bfloat16() -> bool:
 # in the same order at every row count the probe tries (1-256; the MLP's down projection, K = 1536: 1-144), where a
 # "batch" weight's change at 33 rows.
 WEIGHT_LAYOUTS = {"batch": None, "vector": 1}
+# The layout of a layer packed for kvstorm's AMX kernels instead (``kernels.cpu_matmul``): batch-invariant at any row
+# count by construction, so its calls are never padded or sliced.
+AMX_LAYOUT = "amx"
+
+
+def uses_amx(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> bool:
+    """Whether a layer of this shape packs for the AMX kernels when asked for ``kernel`` (``MATMUL_KERNELS``):
+    "auto" wherever they apply."""
+    check_matmul_kernel(kernel)
+    return kernel == "auto" and amx_matmul_applies(in_features, out_features, dtype)
 
 
 def _prepack(weight: torch.Tensor, layout: str = "batch") -> torch.Tensor:
@@ -193,9 +205,14 @@ class _RowSlicedMatmul(nn.Module):
     layout = "batch"  # of the packed weights (WEIGHT_LAYOUTS), fixed when they are packed
 
     def _pack(self, weight: torch.Tensor, favour: str) -> torch.Tensor:
-        """``weight`` packed in the layout ``favour`` picks for this layer's shape (``choose_layout``)."""
+        """``weight`` packed in the layout ``favour`` picks for this layer's shape (``choose_layout``) when oneDNN
+        multiplies it (``self.layout`` is set first: AMX_LAYOUT for the AMX kernels)."""
         self.layout = choose_layout(self.in_features, self.out_features, self.has_bias, self.dtype, favour)
         return _prepack(weight, self.layout)
+
+    def _choose_kernel(self, kernel: str) -> None:
+        if uses_amx(self.in_features, self.out_features, self.dtype, kernel):
+            self.layout = AMX_LAYOUT
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """The bare oneDNN call(s) on every row given."""
@@ -212,8 +229,8 @@ class _RowSlicedMatmul(nn.Module):
 
     @property
     def row_range(self) -> RowRange | None:
-        """The row counts one call takes; None: every row at once."""
-        return self.invariant_row_range if self.batch_invariant else None
+        """The row counts one call takes; None: every row at once (the AMX kernels' calls are invariant at any)."""
+        return self.invariant_row_range if self.batch_invariant and self.layout != AMX_LAYOUT else None
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         rows, row_range = x.shape[0], self.row_range
@@ -257,38 +274,52 @@ _PADDING = _PaddingBuffers()
 class PackedLinear(_RowSlicedMatmul):
     """``x @ weight.T + bias`` through oneDNN with the weight prepacked; holds no copy of the plain weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, favour: str = "throughput") -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, favour: str = "throughput", kernel: str = "auto"
+    ) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self._choose_kernel(kernel)
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
-        self.packed_weight = self._pack(weight, favour)
+        self.packed_weight = pack_for_amx(weight) if self.layout == AMX_LAYOUT else self._pack(weight, favour)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, favour: str = "throughput") -> PackedLinear:
-        return cls(linear.weight, linear.bias, favour)
+    def from_linear(cls, linear: nn.Linear, favour: str = "throughput", kernel: str = "auto") -> PackedLinear:
+        return cls(linear.weight, linear.bias, favour, kernel)
 
     @property
     def has_bias(self) -> bool:
         return self.bias is not None
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == AMX_LAYOUT:
+            return amx_linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
+            f"layout={self.layout}"
+        )
 
 
 class _SwiGLUInput(_RowSlicedMatmul):
-    """``silu(gate(x)) * up(x)``: two matmuls of one shape, SiLU (oneDNN's "swish") fused into the first, the
-    product into the second."""
+    """``silu(gate(x)) * up(x)``: with oneDNN two matmuls of one shape, SiLU (oneDNN's "swish") fused into the
+    first, the product into the second; with the AMX kernels one pass over x, gate and up tiles side by side."""
 
-    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, favour: str) -> None:
+    def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, favour: str, kernel: str) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = up_weight.shape, up_weight.dtype
-        self.gate, self.up = (self._pack(w, favour) for w in (gate_weight, up_weight))
+        self._choose_kernel(kernel)
+        if self.layout == AMX_LAYOUT:
+            self.gate_up = pack_swiglu_for_amx(gate_weight, up_weight)
+        else:
+            self.gate, self.up = (self._pack(w, favour) for w in (gate_weight, up_weight))
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == AMX_LAYOUT:
+            return amx_swiglu(x, self.gate_up)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
 
@@ -296,12 +327,15 @@ class _SwiGLUInput(_RowSlicedMatmul):
 class _ResidualDown(_RowSlicedMatmul):
     """``residual + down(hidden)``, the sum fused into the matmul."""
 
-    def __init__(self, down_weight: torch.Tensor, favour: str) -> None:
+    def __init__(self, down_weight: torch.Tensor, favour: str, kernel: str) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = down_weight.shape, down_weight.dtype
-        self.down = self._pack(down_weight, favour)
+        self._choose_kernel(kernel)
+        self.down = pack_for_amx(down_weight) if self.layout == AMX_LAYOUT else self._pack(down_weight, favour)
 
     def _multiply(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.layout == AMX_LAYOUT:
+            return amx_linear(hidden, self.down, residual=residual)
         return torch.ops.mkldnn._linear_pointwise.binary(hidden, residual, self.down, None, "add")
 
 
@@ -313,11 +347,16 @@ class PackedSwiGLU(nn.Module):
     a fifth more than a 33-row one."""
 
     def __init__(
-        self, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor, favour: str = "throughput"
+        self,
+        gate_weight: torch.Tensor,
+        up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+        favour: str = "throughput",
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
-        self.swiglu = _SwiGLUInput(gate_weight, up_weight, favour)
-        self.residual_down = _ResidualDown(down_weight, favour)
+        self.swiglu = _SwiGLUInput(gate_weight, up_weight, favour, kernel)
+        self.residual_down = _ResidualDown(down_weight, favour, kernel)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.residual_down(self.swiglu(x), residual)
@@ -334,19 +373,33 @@ def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "through
     check_invariant_rows(favour)  # before any layer changes
     for layer in layers:
         layer.batch_invariant, layer.favour = enabled, favour
-    if not enabled or not layers:
+    ranges = [layer.row_range for layer in layers if layer.row_range is not None]
+    if not ranges:
         return None
-    ranges = [layer.invariant_row_range for layer in layers]
     return RowRange(max(r.fewest for r in ranges), min(r.most for r in ranges))
 
 
-def pack_linear_layers(module: nn.Module, favour: str = "throughput") -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` in the layout ``favour`` picks
-    (``choose_layout``); returns how many were replaced."""
+def describe_packed_matmuls(module: nn.Module, batch_invariant: bool, rows: RowRange | None) -> str:
+    """What multiplies the packed layers under ``module`` ("amx", "onednn-packed" or both) and, where batch
+    invariance is asked for, in calls of how many rows (``set_batch_invariant``'s ``rows``)."""
+    layouts = {layer.layout for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)}
+    kernels = " and ".join(
+        name for name, used in (("amx", AMX_LAYOUT in layouts), ("onednn-packed", layouts - {AMX_LAYOUT})) if used
+    )
+    if not batch_invariant:
+        return kernels
+    if rows is None:
+        return f"{kernels}, batch-invariant at any row count"
+    return f"{kernels}, batch-invariant in calls of {rows.fewest}-{rows.most} rows"
+
+
+def pack_linear_layers(module: nn.Module, favour: str = "throughput", kernel: str = "auto") -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` for ``kernel`` (``uses_amx``), oneDNN's
+    in the layout ``favour`` picks (``choose_layout``); returns how many were replaced."""
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear.from_linear(child, favour))
+                setattr(parent, name, PackedLinear.from_linear(child, favour, kernel))
                 replaced += 1
     return replaced

@@ -10,6 +10,8 @@ from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, Schedu
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.config import PRESETS
+from engine.model.packed_linear import packing_applies
+from kernels.cpu_matmul import amx_available
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
@@ -46,6 +48,23 @@ def test_a_pool_given_in_blocks_has_that_many_whatever_a_block_weighs(dtype):
     assert engine.info.bytes_per_block == kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, getattr(torch, dtype))
     with pytest.raises(ValueError, match="num_kv_blocks must be >= 1, got 0"):
         CacheConfig(num_kv_blocks=0)
+
+
+@pytest.mark.parametrize("matmul_kernel", ["auto", "onednn"])
+def test_the_engine_multiplies_bfloat16_with_the_kernel_asked_for_and_says_which(matmul_kernel):
+    config = EngineConfig(model="random:tiny", device="cpu", dtype="bfloat16", matmul_kernel=matmul_kernel)
+    engine = LLMEngine(config)
+    if matmul_kernel == "auto" and amx_available():  # every layer of the tiny model fits the AMX tiles
+        assert engine.info.matmul == "amx, batch-invariant at any row count"
+    elif packing_applies(torch.device("cpu"), torch.bfloat16):
+        assert engine.info.matmul.startswith("onednn-packed, batch-invariant in calls of ")
+    else:
+        assert engine.info.matmul == "torch"
+    engine.add_request([1, 2, 3], greedy(4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="matmul_kernel must be one of"):
+        EngineConfig(matmul_kernel="mkl")
 
 
 def test_requests_that_can_never_fit_are_rejected_with_the_numbers():

@@ -59,9 +59,10 @@ def real_model_bfloat16(real_source):
 
 
 @pytest.fixture(scope="module")
-def real_model_bfloat16_latency(real_source):
-    """The same, for engines whose batch-invariant matmuls favour latency (packed in the layout that serves a lone
-    decode best: on a CPU with AMX, the "vector" layout, whose kernels agree from one row up)."""
+def real_model_bfloat16_onednn_latency(real_source):
+    """The same, for engines whose matmuls are oneDNN's (where the CPU has AMX the engine takes its own kernels
+    otherwise) favouring latency (packed in the layout that serves a lone decode best: on a CPU with AMX, the
+    "vector" layout, whose kernels agree from one row up)."""
     return real_source.load_model(dtype=torch.bfloat16, device="cpu", backend=CpuAttentionBackend())
 
 
@@ -72,6 +73,7 @@ def run(
     num_blocks: int,
     mode: PreemptionMode,
     invariant_rows: str = "throughput",
+    matmul_kernel: str = "auto",
     **faults: int,
 ):
     bytes_per_block = kv_cache_bytes_per_block(real_model.config, BLOCK_SIZE, next(real_model.parameters()).dtype)
@@ -86,6 +88,7 @@ def run(
         preemption_mode=mode,
         debug_invariants=True,
         invariant_rows=invariant_rows,
+        matmul_kernel=matmul_kernel,
     )
     llm.engine.update_faults(**faults)
     prompts, params = workload
@@ -95,8 +98,10 @@ def run(
     return completions, llm.engine
 
 
-def ample_pool_run(model, real_tokenizer, workload, invariant_rows="throughput"):
-    completions, engine = run(model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE, invariant_rows)
+def ample_pool_run(model, real_tokenizer, workload, invariant_rows="throughput", matmul_kernel="auto"):
+    completions, engine = run(
+        model, real_tokenizer, workload, 512, PreemptionMode.RECOMPUTE, invariant_rows, matmul_kernel
+    )
     assert not engine.preemption_log
     return completions
 
@@ -112,26 +117,27 @@ def reference_bfloat16(real_model_bfloat16, real_tokenizer, workload):
 
 
 @pytest.fixture(scope="module")
-def reference_bfloat16_latency(real_model_bfloat16_latency, real_tokenizer, workload):
-    return ample_pool_run(real_model_bfloat16_latency, real_tokenizer, workload, "latency")
+def reference_bfloat16_onednn_latency(real_model_bfloat16_onednn_latency, real_tokenizer, workload):
+    return ample_pool_run(real_model_bfloat16_onednn_latency, real_tokenizer, workload, "latency", "onednn")
 
 
 @pytest.mark.parametrize(
-    ("model_name", "invariant_rows"),
+    ("model_name", "invariant_rows", "matmul_kernel"),
     [
-        ("real_model", "throughput"),  # float32
-        ("real_model_bfloat16", "throughput"),
-        ("real_model_bfloat16_latency", "latency"),
+        ("real_model", "throughput", "auto"),  # float32: oneDNN
+        ("real_model_bfloat16", "throughput", "auto"),  # the AMX kernels where the CPU has AMX, else oneDNN
+        ("real_model_bfloat16_onednn_latency", "latency", "onednn"),
     ],
 )
-def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, model_name, invariant_rows):
+def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, model_name, invariant_rows, matmul_kernel):
     # float32 with the torch reference backend; bfloat16 with the compiled one, whose every row's attention is
     # computed alone (kernels/csrc/paged_attention.cpp), so a prompt chunked differently after a preemption rounds
-    # the same. With PyTorch's SDPA for prefill, bfloat16 did not. Either setting of the matmuls' row counts.
+    # the same. With PyTorch's SDPA for prefill, bfloat16 did not. The matmuls: kvstorm's AMX kernels, invariant at
+    # any row count, and oneDNN's in the row counts its probe found to agree.
     model = request.getfixturevalue(model_name)
     reference = request.getfixturevalue(model_name.replace("real_model", "reference"))
     completions, engine = run(
-        model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP, invariant_rows
+        model, real_tokenizer, workload, NUM_SMALL_POOL_BLOCKS, PreemptionMode.SWAP, invariant_rows, matmul_kernel
     )
     assert sum(p.mode is PreemptionMode.SWAP for p in engine.preemption_log) >= 5, "the pool must force real swapping"
     assert sum(c.num_preemptions > 0 for c in completions) >= 3

@@ -44,6 +44,15 @@ def test_invariant_rows_take_a_named_range_and_refuse_others():
     assert "invalid choice: 'fastest'" in result.stderr
 
 
+def test_the_matmul_kernel_is_chosen_by_name_and_others_are_refused():
+    result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", "--matmul-kernel", "onednn")
+    assert result.returncode == 0, result.stderr
+    assert "4 generated tokens" in result.stderr  # which kernel an engine takes: tests/engine/test_engine_tiny.py
+    result = run_kvstorm("generate", "--prompt", "x", "--matmul-kernel", "mkl")
+    assert result.returncode == 2
+    assert "invalid choice: 'mkl'" in result.stderr
+
+
 def test_bad_arguments_exit_2_with_a_message():
     result = run_kvstorm("generate", "--model", "nope", "--prompt", "x")
     assert result.returncode == 2

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.packed_linear import (
+    AMX_LAYOUT,
     MOST_ROWS_PER_CALL,
     ROW_GRANULE,
     WEIGHT_LAYOUTS,
@@ -17,6 +18,7 @@ from engine.model.packed_linear import (
     RowRange,
     choose_layout,
     choose_row_range,
+    describe_packed_matmuls,
     pack_linear_layers,
     packing_applies,
     probe_row_ranges,
@@ -24,22 +26,28 @@ from engine.model.packed_linear import (
     set_batch_invariant,
 )
 from engine.model.registry import resolve_model
+from kernels.cpu_matmul import amx_available
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 7, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_matches_the_plain_product(dtype, num_rows, with_bias):
+@pytest.mark.parametrize("in_features", [80, 96])  # 96 fits the AMX kernels' tiles (inputs in 32s), 80 does not
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_packed_linear_matches_the_plain_product(dtype, num_rows, with_bias, in_features, kernel):
     generator = torch.Generator().manual_seed(num_rows)
-    weight = torch.randn(96, 80, generator=generator).to(dtype)
+    weight = torch.randn(96, in_features, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype) if with_bias else None
-    x = torch.randn(num_rows, 80, generator=generator).to(dtype)
-    if not packing_applies(torch.device("cpu"), dtype):  # this CPU cannot: the runner must not try
+    x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
+    amx = kernel == "auto" and dtype == torch.bfloat16 and in_features == 96 and amx_available()
+    if not packing_applies(torch.device("cpu"), dtype) and not amx:  # this CPU cannot: the runner must not try
         with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
-            PackedLinear(weight, bias)
+            PackedLinear(weight, bias, kernel=kernel)
         return
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    got = PackedLinear(weight, bias)(x)
+    layer = PackedLinear(weight, bias, kernel=kernel)
+    assert (layer.layout == AMX_LAYOUT) == amx
+    got = layer(x)
     assert got.dtype == dtype
     assert got.shape == (num_rows, 96)
     tolerance = 1e-4 if dtype == torch.float32 else 0.1  # bfloat16 keeps 8 bits of mantissa in the output
@@ -83,16 +91,19 @@ def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
     "dtype", [dtype for dtype in (torch.float32, torch.bfloat16) if packing_applies(torch.device("cpu"), dtype)]
 )
 @pytest.mark.parametrize("favour", ["throughput", "latency"])
-def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype, favour):
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype, favour, kernel):
     # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel,
     # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers pad and slice their rows, as
     # probed: 1 row -> 33 or 37 there, 65 -> 80, 300 -> 240 + 60 padded to 64); packed for latency there, in the
-    # "vector" layout, they run every count alone up to 144 or 256 rows.
+    # "vector" layout, they run every count alone up to 144 or 256 rows. There, "auto" takes kvstorm's AMX kernels,
+    # invariant at any count without padding or slicing.
     generator = torch.Generator().manual_seed(1)
-    down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype), favour=favour)
+    down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype), favour=favour, kernel=kernel)
     mlp = PackedSwiGLU(
         *((torch.randn(*shape, generator=generator) / 20).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),)),
         favour=favour,
+        kernel=kernel,
     )
     hidden = torch.randn(300, 1536, generator=generator).to(dtype)
     x, residual = (torch.randn(300, 576, generator=generator).to(dtype) for _ in range(2))
@@ -120,7 +131,8 @@ def test_throughput_takes_the_widest_range_and_latency_the_first_that_holds_a_ba
 def test_the_model_mlp_runs_a_lone_row_unpadded_for_latency_and_in_the_widest_range_for_throughput(dtype):
     generator = torch.Generator().manual_seed(3)
     mlp = PackedSwiGLU(
-        *(torch.randn(*shape, generator=generator).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),))
+        *(torch.randn(*shape, generator=generator).to(dtype) for shape in ((1536, 576),) * 2 + ((576, 1536),)),
+        kernel="onednn",
     )
     latency = set_batch_invariant(mlp, True, "latency")
     assert latency.fewest <= 2  # one row, or two where a lone row has a kernel of its own
@@ -159,7 +171,8 @@ def test_latency_packs_each_weight_in_the_layout_best_for_a_lone_decode_and_thro
         assert probe_row_ranges(*shape, False, dtype, "batch")[0] == RowRange(1, 32)
         assert chosen == "vector"
         assert probe_row_ranges(*shape, False, dtype, "vector")[0] == RowRange(1, 256 if shape[0] == 576 else 144)
-    mlp = PackedSwiGLU(*(torch.randn(*s).to(dtype) for s in ((1536, 576),) * 2 + ((576, 1536),)), favour="latency")
+    weights = (torch.randn(*s).to(dtype) for s in ((1536, 576),) * 2 + ((576, 1536),))
+    mlp = PackedSwiGLU(*weights, favour="latency", kernel="onednn")
     half = mlp.swiglu if shape == (576, 1536) else mlp.residual_down
     assert half.layout == chosen
     set_batch_invariant(mlp, True, "latency")
@@ -228,6 +241,28 @@ def test_batch_invariance_turns_off_and_either_way_the_product_is_right():
     assert layer.row_range is None
     torch.testing.assert_close(layer(x), x @ weight.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sliced, x @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_a_packed_model_says_what_multiplies_it_and_in_calls_of_how_many_rows(kernel):
+    model = resolve_model("random:tiny").load_model(dtype=torch.bfloat16, seed=0)
+    if not packing_applies(torch.device("cpu"), torch.bfloat16) and not amx_available():
+        pytest.skip("this CPU packs no bfloat16 layer (the runner multiplies with torch)")
+    model.pack_linear_weights(kernel=kernel)
+    amx = kernel == "auto" and amx_available()
+    layers = [m for m in model.modules() if hasattr(m, "layout")]
+    assert layers
+    assert all((layer.layout == AMX_LAYOUT) == amx for layer in layers)
+    rows = set_batch_invariant(model, True)
+    if amx:  # no layer pads or slices its calls
+        assert rows is None
+        assert describe_packed_matmuls(model, True, rows) == "amx, batch-invariant at any row count"
+    else:
+        assert describe_packed_matmuls(model, True, rows) == (
+            f"onednn-packed, batch-invariant in calls of {rows.fewest}-{rows.most} rows"
+        )
+    assert set_batch_invariant(model, False) is None
+    assert describe_packed_matmuls(model, False, None) == ("amx" if amx else "onednn-packed")
 
 
 def cpu_flags() -> set[str]:
