@@ -1,11 +1,15 @@
-"""GFLOP/s of the model's linear layers: ``F.linear`` (MKL, repacks the weight per call) against the engine's
-``PackedLinear`` (oneDNN, weight prepacked once), at decode and prefill batch sizes.
+"""GFLOP/s of the model's linear layers at decode and prefill batch sizes. float32: ``F.linear`` (MKL, repacks the
+weight per call) against the engine's ``PackedLinear`` (oneDNN, weight prepacked once). bfloat16 on a CPU with AMX:
+``PackedLinear`` on oneDNN as the engine ran it before (batch-invariant: rows padded and sliced as probed) against
+kvstorm's AMX kernels (``kernels.cpu_matmul``), which the engine now takes there.
 
 Shapes are SmolLM2-135M's: the fused QKV, output, gate+up and down projections and
 the LM head. Each cell is the best of a few timed calls after a warm-up, with
-torch's current thread count. Writes the "linear" section of docs/benchmarks.md.
+torch's current thread count; a call's weight is one of enough copies to exceed the CPU's caches, as in a model's
+pass, where each weight comes from memory. Writes the "linear" (float32) or "linear-bfloat16" section of
+docs/benchmarks.md.
 
-    .venv/bin/python scripts/bench_linear.py [--rows 1,16,64,128,2048]
+    .venv/bin/python scripts/bench_linear.py [--dtype float32|bfloat16] [--rows 1,16,64,128,2048]
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.model.packed_linear import PackedLinear
-from engine.model.registry import resolve_model
+from engine.model.packed_linear import AMX_LAYOUT, PackedLinear, set_batch_invariant
+from engine.model.registry import native_bfloat16_cpu_feature, resolve_model
 from kvstorm.bench.doc import update_section
 
 
@@ -46,43 +50,97 @@ def best_seconds(work, repeats: int) -> float:
     return best
 
 
+# bfloat16 calls cycle through copies of a weight that together exceed this, so that each call reads its weight
+# from memory as in a model's pass (the machine we measure on has up to 480 MiB of L3).
+COLD_BYTES = 1 << 30
+
+
+def float32_rows(in_features: int, out_features: int, rows_list: list[int], repeats: int) -> list[str]:
+    weight = torch.randn(out_features, in_features)
+    packed = PackedLinear(weight)
+    lines = []
+    for rows in rows_list:
+        x = torch.randn(rows, in_features)
+        flop = 2 * rows * in_features * out_features
+        plain_rate = flop / best_seconds(functools.partial(F.linear, x, weight), repeats) / 1e9
+        packed_rate = flop / best_seconds(functools.partial(packed, x), repeats) / 1e9
+        lines.append(
+            f"| ({in_features} x {out_features}) | {rows} | {plain_rate:.1f} | {packed_rate:.1f} "
+            f"| {packed_rate / plain_rate:.2f}x |"
+        )
+    return lines
+
+
+def call_each(layers: list[PackedLinear], x: torch.Tensor) -> None:
+    for layer in layers:
+        layer(x)
+
+
+def bfloat16_rows(in_features: int, out_features: int, rows_list: list[int], repeats: int) -> list[str]:
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    copies = max(1, COLD_BYTES // weight.nbytes)
+    layers = {kernel: [PackedLinear(weight, kernel=kernel) for _ in range(copies)] for kernel in ("onednn", "auto")}
+    assert all(layer.layout == AMX_LAYOUT for layer in layers["auto"]), "this CPU has no AMX kernels"
+    for onednn in layers["onednn"]:
+        onednn_rows = set_batch_invariant(onednn, True)
+    lines = []
+    for rows in rows_list:
+        x = torch.randn(rows, in_features).to(torch.bfloat16)
+        flop = 2 * rows * in_features * out_features * copies
+        rates = {
+            kernel: flop / best_seconds(functools.partial(call_each, layers[kernel], x), repeats) / 1e9
+            for kernel in layers
+        }
+        lines.append(
+            f"| ({in_features} x {out_features}) | {rows} | {onednn_rows.padded(min(rows, onednn_rows.most))} "
+            f"| {rates['onednn']:.1f} | {rates['auto']:.1f} | {rates['auto'] / rates['onednn']:.2f}x |"
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rows", default="1,16,64,128,2048", help="batch sizes (tokens per matmul)")
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
-    table = [
-        "| layer (in x out) | rows | F.linear GFLOP/s | PackedLinear GFLOP/s | speed-up |",
-        "|---|---|---|---|---|",
-    ]
+    if args.dtype == "float32":
+        title = "Linear layers: MKL `F.linear` against prepacked oneDNN"
+        header = "| layer (in x out) | rows | F.linear GFLOP/s | PackedLinear GFLOP/s | speed-up |"
+        what = "The engine's CPU path is `PackedLinear` (engine/model/packed_linear.py)."
+        measure = float32_rows
+    else:
+        title = "Linear layers in bfloat16: oneDNN against kvstorm's AMX kernels"
+        header = "| layer (in x out) | rows | oneDNN call rows | oneDNN GFLOP/s | AMX kernels GFLOP/s | speed-up |"
+        what = (
+            "`PackedLinear` on oneDNN as the engine ran it before (batch layout, batch-invariant: rows padded and "
+            "sliced to the probed range, 'oneDNN call rows' for the first slice) against `PackedLinear` on kvstorm's "
+            "AMX kernels (kernels/csrc/amx_matmul.cpp), which the engine takes on a CPU with AMX. Each call's weight "
+            f"is one of enough copies to fill {COLD_BYTES >> 20} MiB, so it comes from memory as in a model's pass."
+        )
+        measure = bfloat16_rows
+    table = [header, "|---|---|---|---|---|" + ("---|" if args.dtype == "bfloat16" else "")]
     for layer, (in_features, out_features) in layer_shapes().items():
-        weight = torch.randn(out_features, in_features)
-        packed = PackedLinear(weight)
-        for rows in rows_list:
-            x = torch.randn(rows, in_features)
-            flop = 2 * rows * in_features * out_features
-            plain_rate = flop / best_seconds(functools.partial(F.linear, x, weight), args.repeats) / 1e9
-            packed_rate = flop / best_seconds(functools.partial(packed, x), args.repeats) / 1e9
-            table.append(
-                f"| {layer} ({in_features} x {out_features}) | {rows} | {plain_rate:.1f} | {packed_rate:.1f} "
-                f"| {packed_rate / plain_rate:.2f}x |"
-            )
+        for line in measure(in_features, out_features, rows_list, args.repeats):
+            table.append(f"| {layer} {line.removeprefix('| ')}")
             print(table[-1], flush=True)
     markdown = "\n".join(
         [
-            "## Linear layers: MKL `F.linear` against prepacked oneDNN (`scripts/bench_linear.py`)",
+            f"## {title} (`scripts/bench_linear.py --dtype {args.dtype}`)",
             "",
-            f"float32, SmolLM2-135M's weight shapes, {torch.get_num_threads()} torch threads, "
-            f"{platform.machine()}, torch {torch.__version__}. Best of {args.repeats} calls after a warm-up. The "
-            "engine's CPU path is `PackedLinear` (engine/model/packed_linear.py).",
+            f"{args.dtype}, SmolLM2-135M's weight shapes, {torch.get_num_threads()} torch threads, "
+            f"{platform.machine()} ({native_bfloat16_cpu_feature() or 'no native bfloat16'}), torch "
+            f"{torch.__version__}. Best of {args.repeats} calls after a warm-up. {what}",
             "",
             *table,
             "",
-            f"Reproduce: `.venv/bin/python scripts/bench_linear.py --rows {args.rows}` ({datetime.date.today()})",
+            f"Reproduce: `.venv/bin/python scripts/bench_linear.py --dtype {args.dtype} --rows {args.rows} "
+            f"--repeats {args.repeats}` "
+            f"({datetime.date.today()})",
         ]
     )
-    update_section("linear", markdown)
+    update_section("linear" if args.dtype == "float32" else "linear-bfloat16", markdown)
 
 
 if __name__ == "__main__":
