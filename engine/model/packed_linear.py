@@ -194,7 +194,8 @@ class _RowSlicedMatmul(nn.Module):
     fifth slower than one row, while 128 rows run in a call where slices of 32 took twice as long), counts above
     ``ROW_GRANULE`` up to a multiple of it, more than its most run in slices. Each row's result is then the same
     whatever the batch around it (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on
-    what else ran in its step."""
+    what else ran in its step. A layer packed for kvstorm's AMX kernels (``AMX_LAYOUT``) takes every row at once:
+    they are invariant at any row count."""
 
     batch_invariant = True  # per layer: set_batch_invariant()
     favour = "throughput"  # per layer: set_batch_invariant()
@@ -215,7 +216,7 @@ class _RowSlicedMatmul(nn.Module):
             self.layout = AMX_LAYOUT
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        """The bare oneDNN call(s) on every row given."""
+        """The bare kernel call(s) on every row given: oneDNN's, or the AMX kernels' for ``AMX_LAYOUT``."""
         raise NotImplementedError
 
     @functools.cached_property
@@ -272,7 +273,8 @@ _PADDING = _PaddingBuffers()
 
 
 class PackedLinear(_RowSlicedMatmul):
-    """``x @ weight.T + bias`` through oneDNN with the weight prepacked; holds no copy of the plain weight."""
+    """``x @ weight.T + bias`` through oneDNN or the AMX kernels with the weight prepacked; holds no copy of the
+    plain weight."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, favour: str = "throughput", kernel: str = "auto"
