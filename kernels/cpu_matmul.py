@@ -38,10 +38,11 @@ def pack_for_amx(weight: torch.Tensor) -> torch.Tensor:
     return compiled_kernels().amx_pack_weight(weight.detach())
 
 
-def pack_swiglu_for_amx(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gate and up weights in AMX tiles, each gate tile followed by the up tile of the same 16 outputs: a call
-    multiplies the two together and finishes ``silu(gate) * up`` while both are in registers."""
-    return torch.stack([pack_for_amx(gate), pack_for_amx(up)], dim=1).flatten(0, 1)
+def interleave_column_tiles(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gate and up weights, each packed by ``pack_for_amx``, as one: each gate tile followed by the up tile of
+    the same 16 outputs, so that ``amx_swiglu`` multiplies the two together and finishes ``silu(gate) * up`` while
+    both are in registers."""
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
 
 
 def amx_linear(

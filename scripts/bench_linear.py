@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.model.packed_linear import AMX_LAYOUT, PackedLinear, set_batch_invariant
 from engine.model.registry import native_bfloat16_cpu_feature, resolve_model
@@ -81,8 +82,7 @@ def bfloat16_rows(in_features: int, out_features: int, rows_list: list[int], rep
     copies = max(1, COLD_BYTES // weight.nbytes)
     layers = {kernel: [PackedLinear(weight, kernel=kernel) for _ in range(copies)] for kernel in ("onednn", "auto")}
     assert all(layer.layout == AMX_LAYOUT for layer in layers["auto"]), "this CPU has no AMX kernels"
-    for onednn in layers["onednn"]:
-        onednn_rows = set_batch_invariant(onednn, True)
+    onednn_rows = set_batch_invariant(nn.ModuleList(layers["onednn"]), True)  # one shape: one range
     lines = []
     for rows in rows_list:
         x = torch.randn(rows, in_features).to(torch.bfloat16)

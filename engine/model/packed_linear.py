@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from engine.core.config import check_invariant_rows, check_matmul_kernel
-from kernels.cpu_matmul import amx_linear, amx_matmul_applies, amx_swiglu, pack_for_amx, pack_swiglu_for_amx
+from kernels.cpu_matmul import amx_linear, amx_matmul_applies, amx_swiglu, interleave_column_tiles, pack_for_amx
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -205,15 +205,14 @@ class _RowSlicedMatmul(nn.Module):
     has_bias = False
     layout = "batch"  # of the packed weights (WEIGHT_LAYOUTS), fixed when they are packed
 
-    def _pack(self, weight: torch.Tensor, favour: str) -> torch.Tensor:
-        """``weight`` packed in the layout ``favour`` picks for this layer's shape (``choose_layout``) when oneDNN
-        multiplies it (``self.layout`` is set first: AMX_LAYOUT for the AMX kernels)."""
-        self.layout = choose_layout(self.in_features, self.out_features, self.has_bias, self.dtype, favour)
-        return _prepack(weight, self.layout)
-
-    def _choose_kernel(self, kernel: str) -> None:
+    def _pack(self, weight: torch.Tensor, favour: str, kernel: str) -> torch.Tensor:
+        """``weight`` packed for the AMX kernels where this layer's shape takes them (``uses_amx``), else for oneDNN
+        in the layout ``favour`` picks (``choose_layout``); ``self.layout`` says which."""
         if uses_amx(self.in_features, self.out_features, self.dtype, kernel):
             self.layout = AMX_LAYOUT
+            return pack_for_amx(weight)
+        self.layout = choose_layout(self.in_features, self.out_features, self.has_bias, self.dtype, favour)
+        return _prepack(weight, self.layout)
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         """The bare kernel call(s) on every row given: oneDNN's, or the AMX kernels' for ``AMX_LAYOUT``."""
@@ -282,9 +281,8 @@ class PackedLinear(_RowSlicedMatmul):
         super().__init__()
         (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self._choose_kernel(kernel)
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
-        self.packed_weight = pack_for_amx(weight) if self.layout == AMX_LAYOUT else self._pack(weight, favour)
+        self.packed_weight = self._pack(weight, favour, kernel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, favour: str = "throughput", kernel: str = "auto") -> PackedLinear:
@@ -313,11 +311,11 @@ class _SwiGLUInput(_RowSlicedMatmul):
     def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, favour: str, kernel: str) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = up_weight.shape, up_weight.dtype
-        self._choose_kernel(kernel)
+        gate, up = (self._pack(w, favour, kernel) for w in (gate_weight, up_weight))
         if self.layout == AMX_LAYOUT:
-            self.gate_up = pack_swiglu_for_amx(gate_weight, up_weight)
+            self.gate_up = interleave_column_tiles(gate, up)
         else:
-            self.gate, self.up = (self._pack(w, favour) for w in (gate_weight, up_weight))
+            self.gate, self.up = gate, up
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == AMX_LAYOUT:
@@ -332,8 +330,7 @@ class _ResidualDown(_RowSlicedMatmul):
     def __init__(self, down_weight: torch.Tensor, favour: str, kernel: str) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = down_weight.shape, down_weight.dtype
-        self._choose_kernel(kernel)
-        self.down = pack_for_amx(down_weight) if self.layout == AMX_LAYOUT else self._pack(down_weight, favour)
+        self.down = self._pack(down_weight, favour, kernel)
 
     def _multiply(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.layout == AMX_LAYOUT:

@@ -15,8 +15,8 @@ from kernels.cpu_matmul import (
     amx_linear,
     amx_matmul_applies,
     amx_swiglu,
+    interleave_column_tiles,
     pack_for_amx,
-    pack_swiglu_for_amx,
 )
 
 
@@ -69,7 +69,7 @@ def test_swiglu_is_the_gated_product_rounded_once():
     x = _bf16(100, 576, seed=7)
     x64 = x.double()
     exact = F.silu(x64 @ gate.double().T) * (x64 @ up.double().T)
-    _assert_one_rounding_from(amx_swiglu(x, pack_swiglu_for_amx(gate, up)), exact)
+    _assert_one_rounding_from(amx_swiglu(x, interleave_column_tiles(pack_for_amx(gate), pack_for_amx(up))), exact)
 
 
 @needs_amx
@@ -78,7 +78,8 @@ def test_a_row_is_the_same_bits_in_a_call_of_any_row_count_at_any_place(shape):
     in_features, out_features = shape
     weight, bias = _bf16(out_features, in_features, seed=8, scale=0.05), _bf16(out_features, seed=9)
     x, residual = _bf16(600, in_features, seed=10), _bf16(600, out_features, seed=11)
-    gate_up = pack_swiglu_for_amx(_bf16(960, in_features, seed=12, scale=0.05), _bf16(960, in_features, seed=13))
+    gate, up = _bf16(960, in_features, seed=12, scale=0.05), _bf16(960, in_features, seed=13)
+    gate_up = interleave_column_tiles(pack_for_amx(gate), pack_for_amx(up))
     packed = pack_for_amx(weight)
     linear = amx_linear(x, packed, bias, residual)
     swiglu = amx_swiglu(x, gate_up)
