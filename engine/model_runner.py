@@ -24,7 +24,7 @@ from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
 class ModelRunner:
     """Owns the model, the device KV cache, the host swap cache and each request's random stream; raises the
     engine's faults (``engine.faults``) where a device would. On the CPU it prepacks the model's linear weights
-    for kvstorm's AMX kernels or oneDNN and runs its norms and rotary embeddings through the compiled kernels where
+    for kvstorm's tile matmuls or oneDNN and runs its norms and rotary embeddings through the compiled kernels where
     they build (in place: a model handed to a runner serves inference only from then on)."""
 
     def __init__(

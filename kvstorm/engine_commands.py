@@ -78,8 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-batch-invariance",
         action="store_true",
         help="let oneDNN's CPU matmuls take a step's rows at once: faster where their kernels change with the row "
-        "count, but a request's tokens may then depend on what else ran in its step (kvstorm's AMX kernels are "
-        "invariant at any row count)",
+        "count, but a request's tokens may then depend on what else ran in its step (kvstorm's tile matmuls "
+        "are invariant at any row count)",
     )
     group.add_argument(
         "--invariant-rows",
@@ -94,8 +94,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--matmul-kernel",
         choices=MATMUL_KERNELS,
         default=EngineConfig.matmul_kernel,
-        help="what multiplies the CPU's linear layers: auto (kvstorm's AMX kernels for bfloat16 on CPUs with AMX, "
-        "batch-invariant at any row count; oneDNN elsewhere) or onednn",
+        help="what multiplies the CPU's linear layers: auto (kvstorm's tile matmuls for bfloat16 on CPUs with AMX or "
+        "AVX512-BF16, batch-invariant at any row count; oneDNN elsewhere) or onednn",
     )
     group.add_argument(
         "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value

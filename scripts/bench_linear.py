@@ -1,12 +1,12 @@
 """GFLOP/s of the model's linear layers at decode and prefill batch sizes. float32: ``F.linear`` (MKL, repacks the
-weight per call) against the engine's ``PackedLinear`` (oneDNN, weight prepacked once). bfloat16 on a CPU with AMX:
-``PackedLinear`` on oneDNN as the engine ran it before (batch-invariant: rows padded and sliced as probed) against
-kvstorm's AMX kernels (``kernels.cpu_matmul``), which the engine now takes there.
+weight per call) against the engine's ``PackedLinear`` (oneDNN, weight prepacked once). bfloat16 on a CPU with AMX
+or AVX512-BF16: ``PackedLinear`` on oneDNN as the engine ran it before (batch-invariant: rows padded and sliced as
+probed) against kvstorm's tile matmuls (``kernels.cpu_matmul``), which the engine now takes there.
 
 Shapes are SmolLM2-135M's: the fused QKV, output, gate+up and down projections and
 the LM head. Each cell is the best of a few timed calls after a warm-up, with
 torch's current thread count; a call's weight is one of enough copies to exceed the CPU's caches, as in a model's
-pass, where each weight comes from memory. Writes the "linear" (float32) or "linear-bfloat16" section of
+pass, where each weight comes from memory. Writes the "linear" (float32) or "linear-bfloat16-ISA" section of
 docs/benchmarks.md.
 
     .venv/bin/python scripts/bench_linear.py [--dtype float32|bfloat16] [--rows 1,16,64,128,2048]
@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.packed_linear import AMX_LAYOUT, PackedLinear, set_batch_invariant
+from engine.model.packed_linear import TILE_LAYOUT, PackedLinear, set_batch_invariant, tile_matmul_name
 from engine.model.registry import native_bfloat16_cpu_feature, resolve_model
+from kernels.cpu_matmul import tile_matmul_isa
 from kvstorm.bench.doc import update_section
 
 
@@ -81,7 +82,7 @@ def bfloat16_rows(in_features: int, out_features: int, rows_list: list[int], rep
     weight = torch.randn(out_features, in_features).to(torch.bfloat16)
     copies = max(1, COLD_BYTES // weight.nbytes)
     layers = {kernel: [PackedLinear(weight, kernel=kernel) for _ in range(copies)] for kernel in ("onednn", "auto")}
-    assert all(layer.layout == AMX_LAYOUT for layer in layers["auto"]), "this CPU has no AMX kernels"
+    assert all(layer.layout == TILE_LAYOUT for layer in layers["auto"]), "this CPU has no tile matmuls"
     onednn_rows = set_batch_invariant(nn.ModuleList(layers["onednn"]), True)  # one shape: one range
     lines = []
     for rows in rows_list:
@@ -111,13 +112,16 @@ def main() -> None:
         what = "The engine's CPU path is `PackedLinear` (engine/model/packed_linear.py)."
         measure = float32_rows
     else:
-        title = "Linear layers in bfloat16: oneDNN against kvstorm's AMX kernels"
-        header = "| layer (in x out) | rows | oneDNN call rows | oneDNN GFLOP/s | AMX kernels GFLOP/s | speed-up |"
+        title = f"Linear layers in bfloat16: oneDNN against {tile_matmul_name()}"
+        header = (
+            f"| layer (in x out) | rows | oneDNN call rows | oneDNN GFLOP/s | {tile_matmul_name()} GFLOP/s | speed-up |"
+        )
         what = (
             "`PackedLinear` on oneDNN as the engine ran it before (batch layout, batch-invariant: rows padded and "
             "sliced to the probed range, 'oneDNN call rows' for the first slice) against `PackedLinear` on kvstorm's "
-            "AMX kernels (kernels/csrc/amx_matmul.cpp), which the engine takes on a CPU with AMX. Each call's weight "
-            f"is one of enough copies to fill {COLD_BYTES >> 20} MiB, so it comes from memory as in a model's pass."
+            f"tile matmuls (kernels/csrc/tile_matmul.cpp, {tile_matmul_name()} here), which the engine takes on a CPU "
+            f"with AMX or AVX512-BF16. Each call's weight is one of enough copies to fill {COLD_BYTES >> 20} MiB, so "
+            "it comes from memory as in a model's pass."
         )
         measure = bfloat16_rows
     table = [header, "|---|---|---|---|---|" + ("---|" if args.dtype == "bfloat16" else "")]
@@ -140,7 +144,8 @@ def main() -> None:
             f"({datetime.date.today()})",
         ]
     )
-    update_section("linear" if args.dtype == "float32" else "linear-bfloat16", markdown)
+    # bfloat16: a section per instruction set (the tile matmuls run on AMX or AVX512-BF16).
+    update_section("linear" if args.dtype == "float32" else f"linear-bfloat16-{tile_matmul_isa()}", markdown)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,8 @@ def check_invariant_rows(favour: str) -> None:
         raise ValueError(f"invariant_rows must be one of {INVARIANT_ROWS}, got {favour!r}")
 
 
-# What multiplies the CPU's packed linear layers: "auto" takes kvstorm's AMX kernels for bfloat16 where the CPU has
-# AMX (kernels.cpu_matmul) and oneDNN elsewhere; "onednn" always oneDNN.
+# What multiplies the CPU's packed linear layers: "auto" takes kvstorm's tile matmuls for bfloat16 where the CPU has
+# AMX or AVX512-BF16 (kernels.cpu_matmul) and oneDNN elsewhere; "onednn" always oneDNN.
 MATMUL_KERNELS = ("auto", "onednn")
 
 
@@ -85,14 +85,14 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     # Each request's tokens the same whatever else runs in its step (bit-identical preemption); off lets oneDNN's
-    # packed CPU matmuls take every row at once, faster where their kernels change with the row count (the AMX
-    # kernels are invariant at any count).
+    # packed CPU matmuls take every row at once, faster where their kernels change with the row count (the tile
+    # matmuls are invariant at any count).
     batch_invariant: bool = True
     # Where oneDNN's matmul kernels agree in more than one range of row counts, the one they take (INVARIANT_ROWS):
     # "throughput" (the widest: big batches in few calls) or "latency" (a lone decode is not padded; the weights are
     # packed in the layout whose range for a lone row spans most counts: engine.model.packed_linear.choose_layout).
     invariant_rows: str = "throughput"
-    # MATMUL_KERNELS: kvstorm's AMX kernels where they apply ("auto") or oneDNN for every packed layer.
+    # MATMUL_KERNELS: kvstorm's tile matmuls where they apply ("auto") or oneDNN for every packed layer.
     matmul_kernel: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -175,8 +175,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_linear_weights(self, favour: str = "throughput", kernel: str = "auto") -> None:
-        """Prepack every matmul weight for CPU inference (see ``packed_linear``): in AMX tiles for kvstorm's kernels
-        where ``kernel`` is "auto" and they apply (``uses_amx``), else for oneDNN in the layout that batch-invariant
+        """Prepack every matmul weight for CPU inference (see ``packed_linear``): in tiles for kvstorm's own matmuls
+        where ``kernel`` is "auto" and they apply (``uses_tiles``), else for oneDNN in the layout that batch-invariant
         calls favouring ``favour`` run best with (``choose_layout``); the MLPs run their element-wise work fused
         into the matmuls. A head tied to the embeddings gets its own packed copy, the embedding lookup keeps the
         plain matrix. Weights cannot be loaded afterwards."""

@@ -1,5 +1,5 @@
-"""Linear layers whose weights are reordered once into oneDNN's blocked layout, or into AMX tiles for kvstorm's own
-kernels (bfloat16 on a CPU with AMX: ``kernels.cpu_matmul``), for inference on the CPU.
+"""Linear layers whose weights are reordered once into oneDNN's blocked layout, or into tiles for kvstorm's own
+kernels (bfloat16 on a CPU with AMX or AVX512-BF16: ``kernels.cpu_matmul``), for inference on the CPU.
 
 ``F.linear`` on the CPU goes to MKL's sgemm. On the machine we measure on (an AMD
 EPYC with AVX-512), oneDNN's matmul on a prepacked weight (the op PyTorch's own
@@ -20,7 +20,14 @@ import torch
 from torch import nn
 
 from engine.core.config import check_invariant_rows, check_matmul_kernel
-from kernels.cpu_matmul import amx_linear, amx_matmul_applies, amx_swiglu, interleave_column_tiles, pack_for_amx
+from kernels.cpu_matmul import (
+    interleave_column_tiles,
+    pack_tiles,
+    tile_linear,
+    tile_matmul_applies,
+    tile_matmul_isa,
+    tile_swiglu,
+)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -48,16 +55,16 @@ def _cpu_packs_bfloat16() -> bool:
 # in the same order at every row count the probe tries (1-256; the MLP's down projection, K = 1536: 1-144), where a
 # "batch" weight's change at 33 rows.
 WEIGHT_LAYOUTS = {"batch": None, "vector": 1}
-# The layout of a layer packed for kvstorm's AMX kernels instead (``kernels.cpu_matmul``): batch-invariant at any row
-# count by construction, so its calls are never padded or sliced.
-AMX_LAYOUT = "amx"
+# The layout of a layer packed for kvstorm's tile matmuls instead (``kernels.cpu_matmul``): batch-invariant at any
+# row count by construction, so its calls are never padded or sliced.
+TILE_LAYOUT = "tiles"
 
 
-def uses_amx(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> bool:
-    """Whether a layer of this shape packs for the AMX kernels when asked for ``kernel`` (``MATMUL_KERNELS``):
+def uses_tiles(in_features: int, out_features: int, dtype: torch.dtype, kernel: str) -> bool:
+    """Whether a layer of this shape packs for the tile matmuls when asked for ``kernel`` (``MATMUL_KERNELS``):
     "auto" wherever they apply."""
     check_matmul_kernel(kernel)
-    return kernel == "auto" and amx_matmul_applies(in_features, out_features, dtype)
+    return kernel == "auto" and tile_matmul_applies(in_features, out_features, dtype)
 
 
 def _prepack(weight: torch.Tensor, layout: str = "batch") -> torch.Tensor:
@@ -194,7 +201,7 @@ class _RowSlicedMatmul(nn.Module):
     fifth slower than one row, while 128 rows run in a call where slices of 32 took twice as long), counts above
     ``ROW_GRANULE`` up to a multiple of it, more than its most run in slices. Each row's result is then the same
     whatever the batch around it (tests/engine/model/test_packed_linear.py), so a decode's logits do not depend on
-    what else ran in its step. A layer packed for kvstorm's AMX kernels (``AMX_LAYOUT``) takes every row at once:
+    what else ran in its step. A layer packed for kvstorm's tile matmuls (``TILE_LAYOUT``) takes every row at once:
     they are invariant at any row count."""
 
     batch_invariant = True  # per layer: set_batch_invariant()
@@ -206,16 +213,16 @@ class _RowSlicedMatmul(nn.Module):
     layout = "batch"  # of the packed weights (WEIGHT_LAYOUTS), fixed when they are packed
 
     def _pack(self, weight: torch.Tensor, favour: str, kernel: str) -> torch.Tensor:
-        """``weight`` packed for the AMX kernels where this layer's shape takes them (``uses_amx``), else for oneDNN
-        in the layout ``favour`` picks (``choose_layout``); ``self.layout`` says which."""
-        if uses_amx(self.in_features, self.out_features, self.dtype, kernel):
-            self.layout = AMX_LAYOUT
-            return pack_for_amx(weight)
+        """``weight`` packed for the tile matmuls where this layer's shape takes them (``uses_tiles``), else for
+        oneDNN in the layout ``favour`` picks (``choose_layout``); ``self.layout`` says which."""
+        if uses_tiles(self.in_features, self.out_features, self.dtype, kernel):
+            self.layout = TILE_LAYOUT
+            return pack_tiles(weight)
         self.layout = choose_layout(self.in_features, self.out_features, self.has_bias, self.dtype, favour)
         return _prepack(weight, self.layout)
 
     def _multiply(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        """The bare kernel call(s) on every row given: oneDNN's, or the AMX kernels' for ``AMX_LAYOUT``."""
+        """The bare kernel call(s) on every row given: oneDNN's, or the tile matmuls' for ``TILE_LAYOUT``."""
         raise NotImplementedError
 
     @functools.cached_property
@@ -229,8 +236,8 @@ class _RowSlicedMatmul(nn.Module):
 
     @property
     def row_range(self) -> RowRange | None:
-        """The row counts one call takes; None: every row at once (the AMX kernels' calls are invariant at any)."""
-        return self.invariant_row_range if self.batch_invariant and self.layout != AMX_LAYOUT else None
+        """The row counts one call takes; None: every row at once (the tile matmuls' calls are invariant at any)."""
+        return self.invariant_row_range if self.batch_invariant and self.layout != TILE_LAYOUT else None
 
     def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         rows, row_range = x.shape[0], self.row_range
@@ -272,7 +279,7 @@ _PADDING = _PaddingBuffers()
 
 
 class PackedLinear(_RowSlicedMatmul):
-    """``x @ weight.T + bias`` through oneDNN or the AMX kernels with the weight prepacked; holds no copy of the
+    """``x @ weight.T + bias`` through oneDNN or the tile matmuls with the weight prepacked; holds no copy of the
     plain weight."""
 
     def __init__(
@@ -293,8 +300,8 @@ class PackedLinear(_RowSlicedMatmul):
         return self.bias is not None
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == AMX_LAYOUT:
-            return amx_linear(x, self.packed_weight, self.bias)
+        if self.layout == TILE_LAYOUT:
+            return tile_linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -306,20 +313,20 @@ class PackedLinear(_RowSlicedMatmul):
 
 class _SwiGLUInput(_RowSlicedMatmul):
     """``silu(gate(x)) * up(x)``: with oneDNN two matmuls of one shape, SiLU (oneDNN's "swish") fused into the
-    first, the product into the second; with the AMX kernels one pass over x, gate and up tiles side by side."""
+    first, the product into the second; with the tile matmuls one pass over x, gate and up tiles side by side."""
 
     def __init__(self, gate_weight: torch.Tensor, up_weight: torch.Tensor, favour: str, kernel: str) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = up_weight.shape, up_weight.dtype
         gate, up = (self._pack(w, favour, kernel) for w in (gate_weight, up_weight))
-        if self.layout == AMX_LAYOUT:
+        if self.layout == TILE_LAYOUT:
             self.gate_up = interleave_column_tiles(gate, up)
         else:
             self.gate, self.up = gate, up
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == AMX_LAYOUT:
-            return amx_swiglu(x, self.gate_up)
+        if self.layout == TILE_LAYOUT:
+            return tile_swiglu(x, self.gate_up)
         gate = torch.ops.mkldnn._linear_pointwise(x, self.gate, None, "swish", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, gate, self.up, None, "mul")
 
@@ -333,8 +340,8 @@ class _ResidualDown(_RowSlicedMatmul):
         self.down = self._pack(down_weight, favour, kernel)
 
     def _multiply(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if self.layout == AMX_LAYOUT:
-            return amx_linear(hidden, self.down, residual=residual)
+        if self.layout == TILE_LAYOUT:
+            return tile_linear(hidden, self.down, residual=residual)
         return torch.ops.mkldnn._linear_pointwise.binary(hidden, residual, self.down, None, "add")
 
 
@@ -378,13 +385,17 @@ def set_batch_invariant(module: nn.Module, enabled: bool, favour: str = "through
     return RowRange(max(r.fewest for r in ranges), min(r.most for r in ranges))
 
 
+def tile_matmul_name() -> str:
+    """kvstorm's tile matmuls as startup lines and benchmarks name them: "kvstorm-amx" or "kvstorm-avx512-bf16"."""
+    return f"kvstorm-{tile_matmul_isa()}"
+
+
 def describe_packed_matmuls(module: nn.Module, batch_invariant: bool, rows: RowRange | None) -> str:
-    """What multiplies the packed layers under ``module`` ("amx", "onednn-packed" or both) and, where batch
-    invariance is asked for, in calls of how many rows (``set_batch_invariant``'s ``rows``)."""
+    """What multiplies the packed layers under ``module`` (``tile_matmul_name()``, "onednn-packed" or both) and,
+    where batch invariance is asked for, in calls of how many rows (``set_batch_invariant``'s ``rows``)."""
     layouts = {layer.layout for layer in module.modules() if isinstance(layer, _RowSlicedMatmul)}
-    kernels = " and ".join(
-        name for name, used in (("amx", AMX_LAYOUT in layouts), ("onednn-packed", layouts - {AMX_LAYOUT})) if used
-    )
+    used = [(TILE_LAYOUT in layouts, tile_matmul_name()), (bool(layouts - {TILE_LAYOUT}), "onednn-packed")]
+    kernels = " and ".join(name for in_use, name in used if in_use)
     if not batch_invariant:
         return kernels
     if rows is None:
@@ -393,7 +404,7 @@ def describe_packed_matmuls(module: nn.Module, batch_invariant: bool, rows: RowR
 
 
 def pack_linear_layers(module: nn.Module, favour: str = "throughput", kernel: str = "auto") -> int:
-    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` for ``kernel`` (``uses_amx``), oneDNN's
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` for ``kernel`` (``uses_tiles``), oneDNN's
     in the layout ``favour`` picks (``choose_layout``); returns how many were replaced."""
     replaced = 0
     for parent in list(module.modules()):

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from engine.model.config import ModelConfig
-from engine.model.packed_linear import PackedLinear, packing_applies, set_batch_invariant
-from kernels.cpu_matmul import amx_matmul_applies
+from engine.model.packed_linear import PackedLinear, packing_applies, set_batch_invariant, tile_matmul_name
+from kernels.cpu_matmul import tile_matmul_applies
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.process import run_child
 from kvstorm.bench.w1 import Workload, count_flops, w1_throughput
@@ -36,8 +36,8 @@ PEER_MODEL = "smollm2-135m"  # the transformers peers load this GGUF
 
 def measure_matmul_gflops(device: torch.device, dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
     """Best GFLOP/s of a square matmul in the engine's dtype on its device (torch's current thread count on CPU),
-    per way of multiplying: ``torch.mm``, oneDNN with a prepacked weight and kvstorm's AMX kernels where the engine
-    may use them."""
+    per way of multiplying: ``torch.mm``, oneDNN with a prepacked weight and kvstorm's tile matmuls where the
+    engine may use them."""
     size = 8192 if device.type == "cuda" else 2048
     a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
     paths = {"torch.mm": functools.partial(torch.mm, a, b.T)}
@@ -45,8 +45,8 @@ def measure_matmul_gflops(device: torch.device, dtype: torch.dtype, repeats: int
         packed = PackedLinear(b, kernel="onednn")
         set_batch_invariant(packed, False)  # the roofline is one call, whatever slices the engine's rows take
         paths["onednn-packed"] = functools.partial(packed, a)
-    if device.type == "cpu" and amx_matmul_applies(size, size, dtype):
-        paths["amx"] = functools.partial(PackedLinear(b), a)
+    if device.type == "cpu" and tile_matmul_applies(size, size, dtype):
+        paths[tile_matmul_name()] = functools.partial(PackedLinear(b), a)
     return {name: 2 * size**3 / _best_seconds(multiply, device, repeats) / 1e9 for name, multiply in paths.items()}
 
 

@@ -11,7 +11,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.config import PRESETS
 from engine.model.packed_linear import packing_applies
-from kernels.cpu_matmul import amx_available
+from kernels.cpu_matmul import tile_matmul_isa
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, torch.float32)
@@ -54,8 +54,8 @@ def test_a_pool_given_in_blocks_has_that_many_whatever_a_block_weighs(dtype):
 def test_the_engine_multiplies_bfloat16_with_the_kernel_asked_for_and_says_which(matmul_kernel):
     config = EngineConfig(model="random:tiny", device="cpu", dtype="bfloat16", matmul_kernel=matmul_kernel)
     engine = LLMEngine(config)
-    if matmul_kernel == "auto" and amx_available():  # every layer of the tiny model fits the AMX tiles
-        assert engine.info.matmul == "amx, batch-invariant at any row count"
+    if matmul_kernel == "auto" and tile_matmul_isa():  # every layer of the tiny model fits the tiles
+        assert engine.info.matmul == f"kvstorm-{tile_matmul_isa()}, batch-invariant at any row count"
     elif packing_applies(torch.device("cpu"), torch.bfloat16):
         assert engine.info.matmul.startswith("onednn-packed, batch-invariant in calls of ")
     else:

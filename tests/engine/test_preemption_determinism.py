@@ -60,9 +60,9 @@ def real_model_bfloat16(real_source):
 
 @pytest.fixture(scope="module")
 def real_model_bfloat16_onednn_latency(real_source):
-    """The same, for engines whose matmuls are oneDNN's (where the CPU has AMX the engine takes its own kernels
-    otherwise) favouring latency (packed in the layout that serves a lone decode best: on a CPU with AMX, the
-    "vector" layout, whose kernels agree from one row up)."""
+    """The same, for engines whose matmuls are oneDNN's (where the CPU has AMX or AVX512-BF16 the engine takes
+    its own tile matmuls otherwise) favouring latency (packed in the layout that serves a lone decode best: on a
+    CPU with AMX, the "vector" layout, whose kernels agree from one row up)."""
     return real_source.load_model(dtype=torch.bfloat16, device="cpu", backend=CpuAttentionBackend())
 
 
@@ -125,14 +125,14 @@ def reference_bfloat16_onednn_latency(real_model_bfloat16_onednn_latency, real_t
     ("model_name", "invariant_rows", "matmul_kernel"),
     [
         ("real_model", "throughput", "auto"),  # float32: oneDNN
-        ("real_model_bfloat16", "throughput", "auto"),  # the AMX kernels where the CPU has AMX, else oneDNN
+        ("real_model_bfloat16", "throughput", "auto"),  # the tile matmuls on AMX or AVX512-BF16, else oneDNN
         ("real_model_bfloat16_onednn_latency", "latency", "onednn"),
     ],
 )
 def test_swap_preemption_is_bit_identical(request, real_tokenizer, workload, model_name, invariant_rows, matmul_kernel):
     # float32 with the torch reference backend; bfloat16 with the compiled one, whose every row's attention is
     # computed alone (kernels/csrc/paged_attention.cpp), so a prompt chunked differently after a preemption rounds
-    # the same. With PyTorch's SDPA for prefill, bfloat16 did not. The matmuls: kvstorm's AMX kernels, invariant at
+    # the same. With PyTorch's SDPA for prefill, bfloat16 did not. The matmuls: kvstorm's tile matmuls, invariant at
     # any row count, and oneDNN's in the row counts its probe found to agree.
     model = request.getfixturevalue(model_name)
     reference = request.getfixturevalue(model_name.replace("real_model", "reference"))

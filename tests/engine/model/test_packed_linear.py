@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.packed_linear import (
-    AMX_LAYOUT,
     MOST_ROWS_PER_CALL,
     ROW_GRANULE,
+    TILE_LAYOUT,
     WEIGHT_LAYOUTS,
     PackedLinear,
     PackedSwiGLU,
@@ -24,29 +24,30 @@ from engine.model.packed_linear import (
     probe_row_ranges,
     probed_row_counts,
     set_batch_invariant,
+    tile_matmul_name,
 )
 from engine.model.registry import resolve_model
-from kernels.cpu_matmul import amx_available
+from kernels.cpu_matmul import tile_matmul_isa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 7, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("in_features", [80, 96])  # 96 fits the AMX kernels' tiles (inputs in 32s), 80 does not
+@pytest.mark.parametrize("in_features", [80, 96])  # 96 fits the tile matmuls (inputs in 32s), 80 does not
 @pytest.mark.parametrize("kernel", ["auto", "onednn"])
 def test_packed_linear_matches_the_plain_product(dtype, num_rows, with_bias, in_features, kernel):
     generator = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(96, in_features, generator=generator).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype) if with_bias else None
     x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
-    amx = kernel == "auto" and dtype == torch.bfloat16 and in_features == 96 and amx_available()
-    if not packing_applies(torch.device("cpu"), dtype) and not amx:  # this CPU cannot: the runner must not try
+    tiles = kernel == "auto" and dtype == torch.bfloat16 and in_features == 96 and tile_matmul_isa() is not None
+    if not packing_applies(torch.device("cpu"), dtype) and not tiles:  # this CPU cannot: the runner must not try
         with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
             PackedLinear(weight, bias, kernel=kernel)
         return
     expected = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     layer = PackedLinear(weight, bias, kernel=kernel)
-    assert (layer.layout == AMX_LAYOUT) == amx
+    assert (layer.layout == TILE_LAYOUT) == tiles
     got = layer(x)
     assert got.dtype == dtype
     assert got.shape == (num_rows, 96)
@@ -96,8 +97,8 @@ def test_a_row_comes_out_the_same_whatever_the_batch_around_it(dtype, favour, ke
     # The model's down projection (K = 1536) and its fused MLP: oneDNN multiplies a lone row with another kernel,
     # and on a CPU with AMX bfloat16 from 33 rows on with others again (the layers pad and slice their rows, as
     # probed: 1 row -> 33 or 37 there, 65 -> 80, 300 -> 240 + 60 padded to 64); packed for latency there, in the
-    # "vector" layout, they run every count alone up to 144 or 256 rows. There, "auto" takes kvstorm's AMX kernels,
-    # invariant at any count without padding or slicing.
+    # "vector" layout, they run every count alone up to 144 or 256 rows. "auto" takes kvstorm's tile matmuls wherever
+    # the CPU has AMX or AVX512-BF16, invariant at any count without padding or slicing.
     generator = torch.Generator().manual_seed(1)
     down = PackedLinear((torch.randn(576, 1536, generator=generator) / 20).to(dtype), favour=favour, kernel=kernel)
     mlp = PackedSwiGLU(
@@ -246,25 +247,26 @@ def test_batch_invariance_turns_off_and_either_way_the_product_is_right():
 @pytest.mark.parametrize("kernel", ["auto", "onednn"])
 def test_a_packed_model_says_what_multiplies_it_and_in_calls_of_how_many_rows(kernel):
     model = resolve_model("random:tiny").load_model(dtype=torch.bfloat16, seed=0)
-    amx = kernel == "auto" and amx_available()
-    if not packing_applies(torch.device("cpu"), torch.bfloat16) and not amx:  # the runner must not try
+    tiles = kernel == "auto" and tile_matmul_isa() is not None
+    if not packing_applies(torch.device("cpu"), torch.bfloat16) and not tiles:  # the runner must not try
         with pytest.raises(RuntimeError, match="bf16 path needs the cpu support"):
             model.pack_linear_weights(kernel=kernel)
         return
     model.pack_linear_weights(kernel=kernel)
     layers = [m for m in model.modules() if hasattr(m, "layout")]
     assert layers
-    assert all((layer.layout == AMX_LAYOUT) == amx for layer in layers)
+    assert all((layer.layout == TILE_LAYOUT) == tiles for layer in layers)
     rows = set_batch_invariant(model, True)
-    if amx:  # no layer pads or slices its calls
+    if tiles:  # no layer pads or slices its calls
         assert rows is None
-        assert describe_packed_matmuls(model, True, rows) == "amx, batch-invariant at any row count"
+        assert tile_matmul_name() == f"kvstorm-{tile_matmul_isa()}"
+        assert describe_packed_matmuls(model, True, rows) == f"{tile_matmul_name()}, batch-invariant at any row count"
     else:
         assert describe_packed_matmuls(model, True, rows) == (
             f"onednn-packed, batch-invariant in calls of {rows.fewest}-{rows.most} rows"
         )
     assert set_batch_invariant(model, False) is None
-    assert describe_packed_matmuls(model, False, None) == ("amx" if amx else "onednn-packed")
+    assert describe_packed_matmuls(model, False, None) == (tile_matmul_name() if tiles else "onednn-packed")
 
 
 def cpu_flags() -> set[str]:
