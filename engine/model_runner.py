@@ -55,8 +55,8 @@ class ModelRunner:
         self.layer_ops = "torch"
         self.argmax = argmax_rows
         if cpu_kernels_apply(self.device, parameter.dtype) and cpu_kernels_available():
-            model.use_cpu_kernels()
-            self.layer_ops = "cpu-kernels"
+            one_call = model.use_cpu_kernels()
+            self.layer_ops = "cpu-kernels (a decoder layer per call)" if one_call else "cpu-kernels"
             self.argmax = argmax_rows_cpu
         self.device_cache = PagedKVCache(model.config, num_device_blocks, block_size, parameter.dtype, self.device)
         self.host_cache = PagedKVCache(

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.model.config import ModelConfig
-from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers
+from engine.model.packed_linear import TILE_LAYOUT, PackedLinear, PackedSwiGLU, pack_linear_layers
+from kernels.cpu_decoder_layer import decoder_layer_cpu
 from kernels.cpu_layer_ops import rms_norm_cpu, rotate_heads_cpu_
 
 
@@ -134,10 +136,27 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        # The whole layer in one call of the compiled CPU kernels, the same bits (``LlamaForCausalLM.use_cpu_kernels``).
+        self.runs_as_one_call = False
 
     def forward(self, x, cos, sin, kv_cache, metadata, backend):
+        if self.runs_as_one_call:
+            return decoder_layer_cpu(self, x, cos, sin, kv_cache, metadata)
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
         return self.mlp(self.post_attn_norm(x), x)
+
+    def can_run_as_one_call(self, backend: AttentionBackend) -> bool:
+        """Whether ``decoder_layer_cpu`` computes this layer: its matmuls packed for the tile matmuls, attention on
+        the CPU backend's kernel."""
+        matmuls = (
+            self.attn.qkv_proj,
+            self.attn.o_proj,
+            getattr(self.mlp, "swiglu", None),
+            getattr(self.mlp, "residual_down", None),
+        )
+        return isinstance(backend, CpuAttentionBackend) and all(
+            getattr(matmul, "layout", None) == TILE_LAYOUT for matmul in matmuls
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -187,15 +206,21 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour, kernel=kernel)
 
-    def use_cpu_kernels(self, enabled: bool = True) -> None:
+    def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same
-        roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer. ``False``
-        goes back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
+        roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer; and where every
+        layer's matmuls are packed for the tile matmuls (after ``pack_linear_weights``) and attention is the CPU
+        backend's, each decoder layer in one call (``kernels.cpu_decoder_layer``), which it returns. ``False`` goes
+        back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rms_norm_cpu if enabled else rms_norm
             elif isinstance(module, Attention):
                 module.rotate_heads_ = rotate_heads_cpu_ if enabled else rotate_heads_
+        one_call = enabled and all(layer.can_run_as_one_call(self.backend) for layer in self.layers)
+        for layer in self.layers:
+            layer.runs_as_one_call = one_call
+        return one_call
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
