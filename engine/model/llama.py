@@ -19,7 +19,7 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCach
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.packed_linear import TILE_LAYOUT, PackedLinear, PackedSwiGLU, pack_linear_layers
-from kernels.cpu_decoder_layer import decoder_layer_cpu
+from kernels.cpu_extension import compiled_kernels
 from kernels.cpu_layer_ops import rms_norm_cpu, rotate_heads_cpu_
 
 
@@ -141,12 +141,41 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, metadata, backend):
         if self.runs_as_one_call:
-            return decoder_layer_cpu(self, x, cos, sin, kv_cache, metadata)
+            return self.forward_in_one_call(x, cos, sin, kv_cache, metadata)
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
         return self.mlp(self.post_attn_norm(x), x)
 
+    def forward_in_one_call(self, x, cos, sin, kv_cache: KVCacheLayer, metadata: AttentionMetadata) -> torch.Tensor:
+        """The layer in one call of the compiled CPU kernels (``kernels/csrc/decoder_layer.cpp``): the kernels the
+        modules call one by one, in the same order and with the same roundings, without Python and operator dispatch
+        between them (about as long as the matmuls themselves in a small batch's decode step)."""
+        attn, mlp, c = self.attn, self.mlp, self.attn.config
+        row_seqs, row_lens = metadata.row_contexts
+        return compiled_kernels().decoder_layer(
+            x.contiguous(),
+            self.input_norm.weight,
+            self.post_attn_norm.weight,
+            self.input_norm.eps,
+            attn.qkv_proj.packed_weight,
+            attn.qkv_proj.bias,
+            attn.o_proj.packed_weight,
+            mlp.swiglu.gate_up,
+            mlp.residual_down.down,
+            cos,
+            sin,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            *kv_cache,
+            metadata.slot_mapping,
+            metadata.block_tables,
+            row_seqs,
+            row_lens,
+            attn.scale,
+        )
+
     def can_run_as_one_call(self, backend: AttentionBackend) -> bool:
-        """Whether ``decoder_layer_cpu`` computes this layer: its matmuls packed for the tile matmuls, attention on
+        """Whether ``forward_in_one_call`` computes this layer: its matmuls packed for the tile matmuls, attention on
         the CPU backend's kernel."""
         matmuls = (
             self.attn.qkv_proj,
@@ -210,8 +239,8 @@ class LlamaForCausalLM(nn.Module):
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same
         roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer; and where every
         layer's matmuls are packed for the tile matmuls (after ``pack_linear_weights``) and attention is the CPU
-        backend's, each decoder layer in one call (``kernels.cpu_decoder_layer``), which it returns. ``False`` goes
-        back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
+        backend's, each decoder layer in one call (``DecoderLayer.forward_in_one_call``), which it returns.
+        ``False`` goes back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rms_norm_cpu if enabled else rms_norm
