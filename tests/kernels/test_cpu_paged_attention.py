@@ -93,7 +93,9 @@ def test_long_contexts_with_sharp_scores_match_float64(head_dim):
     q = q * 30  # scores with a spread of about 200
     out = paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, seq_lens, scale)
     expected = dense_float64_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-5), (out.double() - expected).abs().max()
+    # float32 sums over 1000 positions in order: a few float32 epsilons per position at most, wherever the kernel
+    # runs (the portable loops of a CPU without AVX-512 came within 1.5e-5); a lost or doubled block is off by ~1e-1.
+    assert torch.allclose(out.double(), expected, rtol=5e-5, atol=5e-5), (out.double() - expected).abs().max()
 
 
 def whole_prompts(seq_lens):
