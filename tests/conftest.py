@@ -12,6 +12,18 @@ import os
 # tests run the Triton kernels on the CPU (a GPU machine runs them natively through scripts/gpu_check.sh).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import atexit
+import shutil
+import tempfile
+
+from engine.model.gguf_cache import CACHE_DIR_ENV
+
+# The session's converted checkpoints (engine.model.gguf_cache), servers it starts included, in a directory of its
+# own that it removes at the end: a test run leaves nothing in the user's cache and starts from none of it.
+if CACHE_DIR_ENV not in os.environ:
+    os.environ[CACHE_DIR_ENV] = tempfile.mkdtemp(prefix="kvstorm-test-cache-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_DIR_ENV], ignore_errors=True)
+
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
