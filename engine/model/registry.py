@@ -69,7 +69,9 @@ class ModelSource:
         return self.kind, self.path
 
     def load_config(self) -> ModelConfig:
-        kind, path = self.readable()
+        return self._config(*self.readable())
+
+    def _config(self, kind: str, path: Path | None) -> ModelConfig:
         if kind == "gguf":
             return read_gguf_config(open_gguf(path))
         if kind == "safetensors":
@@ -96,7 +98,7 @@ class ModelSource:
         """Build the model on ``device`` in ``dtype`` and fill its weights (random ones seeded by ``seed``)."""
         kind, path = self.readable()
         reader = open_gguf(path) if kind == "gguf" else None
-        config = read_gguf_config(reader) if reader is not None else self.load_config()
+        config = read_gguf_config(reader) if reader is not None else self._config(kind, path)
         with torch.device("meta"):
             model = LlamaForCausalLM(config, backend or TorchAttentionBackend())
         model = model.to(dtype=dtype).to_empty(device=device)
