@@ -2,7 +2,8 @@
 
     DIR/prometheus/prometheus.yml        scrape config (the engine and the chaos controller) and the rule file
     DIR/prometheus/kvstorm-rules.yml     recording rules of every SLI, burn-rate and engine alerts
-    DIR/prometheus/alerts-test.yml       promtool unit tests of the alerts (promtool test rules alerts-test.yml)
+    DIR/prometheus/alerts-test*.yml      promtool unit tests of the alerts
+                                         (promtool test rules alerts-test.yml alerts-test-3d.yml)
     DIR/grafana/dashboards/*.json        the Engine, SLO and Chaos dashboards
     DIR/grafana/provisioning/...         Grafana's datasource and dashboard provider
 
@@ -23,7 +24,7 @@ from dashboards.rules import RULES_FILE, rule_groups, scrape_config, to_yaml
 from dashboards.slo import Slo
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-PROMTOOL_TESTS = PACKAGE_DIR / "promtool" / "alerts-test.yml"
+PROMTOOL_TESTS = sorted((PACKAGE_DIR / "promtool").glob("alerts-test*.yml"))
 GENERATED_DIR = PACKAGE_DIR / "generated"
 COMPOSE_ENGINE_TARGETS = ("engine:8000",)
 COMPOSE_CONTROLLER_TARGETS = ("chaos:8090",)
@@ -58,9 +59,10 @@ def build_all(
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         written.append(path)
-    tests = out / "prometheus" / PROMTOOL_TESTS.name
-    shutil.copyfile(PROMTOOL_TESTS, tests)
-    return [*written, tests]
+    tests = [out / "prometheus" / source.name for source in PROMTOOL_TESTS]
+    for source, copy in zip(PROMTOOL_TESTS, tests, strict=True):
+        shutil.copyfile(source, copy)
+    return [*written, *tests]
 
 
 def _datasource(prometheus_url: str) -> dict:
