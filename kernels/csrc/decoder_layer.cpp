@@ -2,18 +2,21 @@
 // the same order and with the same roundings as the model's modules call them one by one (engine/model/llama.py,
 // engine/attention/cpu_backend.py), so its output is the same bits. A small batch's decode step spent about as long
 // in Python and operator dispatch around those calls (some 40 per layer) as in the matmuls themselves.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/TensorOperators.h>
 
 #include <cstring>
 #include <optional>
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale);
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
-void tile_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                 std::optional<torch::Tensor> residual);
-void tile_swiglu(torch::Tensor out, torch::Tensor x, torch::Tensor packed_gate_up);
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor row_seqs, at::Tensor row_lens, double scale);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void rotate_heads_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
+void tile_linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
+                 std::optional<at::Tensor> residual);
+void tile_swiglu(at::Tensor out, at::Tensor x, at::Tensor packed_gate_up);
 
 namespace {
 
@@ -21,8 +24,8 @@ constexpr int64_t kTileColumns = 16;  // output columns per packed tile (tile_ma
 
 // Columns [first, first + width) of each row of `rows` into flat slot slots[t] of `cache` ([blocks, block_size,
 // KVH, D], a slot's KVH x D contiguous): what index_copy_ into the cache's flat view does.
-void write_slots(const torch::Tensor& rows, int64_t first, int64_t width, torch::Tensor& cache,
-                 const torch::Tensor& slots) {
+void write_slots(const at::Tensor& rows, int64_t first, int64_t width, at::Tensor& cache,
+                 const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 4 && cache.size(2) * cache.size(3) == width, "cache: [blocks, block_size, KVH, D]");
   TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == cache.size(3), "cache: a slot's heads contiguous");
   TORCH_CHECK(cache.scalar_type() == rows.scalar_type(), "cache and activations share a dtype");
@@ -41,35 +44,35 @@ void write_slots(const torch::Tensor& rows, int64_t first, int64_t width, torch:
   }
 }
 
-torch::Tensor tile_matmul(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
-                          const std::optional<torch::Tensor>& residual) {
-  auto out = torch::empty({x.size(0), packed.size(0) * kTileColumns}, x.options());
+at::Tensor tile_matmul(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& residual) {
+  auto out = at::empty({x.size(0), packed.size(0) * kTileColumns}, x.options());
   tile_linear(out, x, packed, bias, residual);
   return out;
 }
 
 }  // namespace
 
-torch::Tensor decoder_layer(torch::Tensor x,             // [T, hidden] bfloat16: the residual stream
-                            torch::Tensor input_norm,    // [hidden]
-                            torch::Tensor post_attn_norm,  // [hidden]
+at::Tensor decoder_layer(at::Tensor x,             // [T, hidden] bfloat16: the residual stream
+                            at::Tensor input_norm,    // [hidden]
+                            at::Tensor post_attn_norm,  // [hidden]
                             double eps,
-                            torch::Tensor qkv_packed,    // tiles of the fused QKV projection
-                            std::optional<torch::Tensor> qkv_bias,
-                            torch::Tensor o_packed,
-                            torch::Tensor gate_up_packed,  // gate and up tiles interleaved
-                            torch::Tensor down_packed,
-                            torch::Tensor cos,           // [T, 1, D], x's dtype
-                            torch::Tensor sin,
+                            at::Tensor qkv_packed,    // tiles of the fused QKV projection
+                            std::optional<at::Tensor> qkv_bias,
+                            at::Tensor o_packed,
+                            at::Tensor gate_up_packed,  // gate and up tiles interleaved
+                            at::Tensor down_packed,
+                            at::Tensor cos,           // [T, 1, D], x's dtype
+                            at::Tensor sin,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            torch::Tensor k_cache, torch::Tensor v_cache,  // this layer's [blocks, block_size, KVH, D]
-                            torch::Tensor slot_mapping,  // [T] int64
-                            torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens,
+                            at::Tensor k_cache, at::Tensor v_cache,  // this layer's [blocks, block_size, KVH, D]
+                            at::Tensor slot_mapping,  // [T] int64
+                            at::Tensor block_tables, at::Tensor row_seqs, at::Tensor row_lens,
                             double scale) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [tokens, hidden], contiguous");
   const int64_t tokens = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 
-  auto normed = torch::empty_like(x);
+  auto normed = at::empty_like(x);
   rms_norm(normed, x, input_norm, eps);
   auto qkv = tile_matmul(normed, qkv_packed, qkv_bias, std::nullopt);
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the QKV projection gives ", qkv.size(1), " columns, the heads ",
@@ -78,14 +81,14 @@ torch::Tensor decoder_layer(torch::Tensor x,             // [T, hidden] bfloat16
   write_slots(qkv, q_size, kv_size, k_cache, slot_mapping);
   write_slots(qkv, q_size + kv_size, kv_size, v_cache, slot_mapping);
 
-  auto attended = torch::empty({tokens, num_heads, head_dim}, x.options().dtype(torch::kFloat32));
+  auto attended = at::empty({tokens, num_heads, head_dim}, x.options().dtype(at::kFloat));
   paged_attention(attended, qkv.narrow(1, 0, q_size).contiguous().view({tokens, num_heads, head_dim}), k_cache,
                   v_cache, block_tables.contiguous(), row_seqs, row_lens, scale);
   // As the modules round: attention's output to x's dtype, the projection's, then the residual sum.
   x = x + tile_matmul(attended.to(x.scalar_type()).view({tokens, q_size}), o_packed, std::nullopt, std::nullopt);
 
   rms_norm(normed, x, post_attn_norm, eps);
-  auto gated = torch::empty({tokens, gate_up_packed.size(0) / 2 * kTileColumns}, x.options());
+  auto gated = at::empty({tokens, gate_up_packed.size(0) / 2 * kTileColumns}, x.options());
   tile_swiglu(gated, normed, gate_up_packed);
   return tile_matmul(gated, down_packed, std::nullopt, x);
 }

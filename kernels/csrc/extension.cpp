@@ -1,22 +1,25 @@
-// The Python module of kvstorm's CPU kernels (kernels/cpu_extension.py builds it from every source here).
-#include <torch/extension.h>
+// The Python module of kvstorm's CPU kernels (kernels/cpu_extension.py builds it from every source here). Only this
+// file includes pybind (through torch's Tensor casters, not all of torch/extension.h) and the kernels only ATen's
+// headers: each file that included torch/extension.h took about 45 s to compile on two cores.
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
-void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                     torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale);
-void argmax_rows(torch::Tensor out, torch::Tensor logits);
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim);
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                     at::Tensor block_tables, at::Tensor row_seqs, at::Tensor row_lens, double scale);
+void argmax_rows(at::Tensor out, at::Tensor logits);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void rotate_heads_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim);
 std::string tile_matmul_isa();
-torch::Tensor tile_pack_weight(torch::Tensor weight);
-void tile_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                 std::optional<torch::Tensor> residual);
-void tile_swiglu(torch::Tensor out, torch::Tensor x, torch::Tensor packed_gate_up);
-torch::Tensor decoder_layer(torch::Tensor x, torch::Tensor input_norm, torch::Tensor post_attn_norm, double eps,
-                            torch::Tensor qkv_packed, std::optional<torch::Tensor> qkv_bias, torch::Tensor o_packed,
-                            torch::Tensor gate_up_packed, torch::Tensor down_packed, torch::Tensor cos,
-                            torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                            torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale);
+at::Tensor tile_pack_weight(at::Tensor weight);
+void tile_linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
+                 std::optional<at::Tensor> residual);
+void tile_swiglu(at::Tensor out, at::Tensor x, at::Tensor packed_gate_up);
+at::Tensor decoder_layer(at::Tensor x, at::Tensor input_norm, at::Tensor post_attn_norm, double eps,
+                            at::Tensor qkv_packed, std::optional<at::Tensor> qkv_bias, at::Tensor o_packed,
+                            at::Tensor gate_up_packed, at::Tensor down_packed, at::Tensor cos,
+                            at::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+                            at::Tensor block_tables, at::Tensor row_seqs, at::Tensor row_lens, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of query rows over the paged cache (float32 or bfloat16)");

@@ -3,7 +3,8 @@
 // model, more than the arithmetic of a small batch. Each row is computed alone, in the same order whatever the
 // number of rows, and with the roundings of engine/model/llama.py's rms_norm and rotate_heads_: float32
 // arithmetic, every intermediate the reference rounds to the activation dtype rounded here too.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -69,7 +70,7 @@ void rotate_rows(T* qkv, const T* cos, const T* sin, int64_t num_rows, int64_t n
 
 }  // namespace
 
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with contiguous rows");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.dtype() == x.dtype(), "out must be like x");
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1), "weight must be [dim]");
@@ -80,7 +81,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
   });
 }
 
-void rotate_heads_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t head_dim) {
+void rotate_heads_(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t num_heads, int64_t head_dim) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [rows, width] with contiguous rows");
   TORCH_CHECK(num_heads * head_dim <= qkv.size(1) && head_dim % 2 == 0, "heads must fit the row, head_dim even");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos and sin must be contiguous");

@@ -8,7 +8,7 @@
 // (which depends on the other requests of the step, and changes when a request is preempted) cannot change what a
 // request generates, in bfloat16 as in float32. PyTorch's SDPA, which prefill used before, rounded a prompt
 // differently by its chunking.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include "vector_math.h"
@@ -338,9 +338,9 @@ void run_tasks(const Problem<Cache>& p, int64_t num_rows) {
 }
 
 template <typename Cache>
-void launch(torch::Tensor out, torch::Tensor q, const Cache* k_ptr, const Cache* v_ptr, torch::Tensor k_cache,
-            torch::Tensor block_tables, torch::Tensor row_seqs, torch::Tensor row_lens, double scale) {
-  const bool q_is_bf16 = q.dtype() == torch::kBFloat16;
+void launch(at::Tensor out, at::Tensor q, const Cache* k_ptr, const Cache* v_ptr, at::Tensor k_cache,
+            at::Tensor block_tables, at::Tensor row_seqs, at::Tensor row_lens, double scale) {
+  const bool q_is_bf16 = q.dtype() == at::kBFloat16;
   const Problem<Cache> problem{
       out.data_ptr<float>(), q_is_bf16 ? nullptr : q.data_ptr<float>(),
       q_is_bf16 ? reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) : nullptr, k_ptr, v_ptr,
@@ -354,16 +354,16 @@ void launch(torch::Tensor out, torch::Tensor q, const Cache* k_ptr, const Cache*
 }  // namespace
 
 void paged_attention(
-    torch::Tensor out,           // [R, H, D] float32, written
-    torch::Tensor q,             // [R, H, D] float32 or bfloat16
-    torch::Tensor k_cache,       // [num_blocks, block_size, KVH, D] float32 or bfloat16 (rows contiguous in D)
-    torch::Tensor v_cache,       // same shape, strides and dtype as k_cache
-    torch::Tensor block_tables,  // [B, max_blocks] int64
-    torch::Tensor row_seqs,      // [R] int64: the sequence (row of block_tables) each query row belongs to
-    torch::Tensor row_lens,      // [R] int64: how many tokens of that sequence's context the row attends to
+    at::Tensor out,           // [R, H, D] float32, written
+    at::Tensor q,             // [R, H, D] float32 or bfloat16
+    at::Tensor k_cache,       // [num_blocks, block_size, KVH, D] float32 or bfloat16 (rows contiguous in D)
+    at::Tensor v_cache,       // same shape, strides and dtype as k_cache
+    at::Tensor block_tables,  // [B, max_blocks] int64
+    at::Tensor row_seqs,      // [R] int64: the sequence (row of block_tables) each query row belongs to
+    at::Tensor row_lens,      // [R] int64: how many tokens of that sequence's context the row attends to
     double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == torch::kBFloat16, "q must be float32 or bfloat16");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.sizes() == q.sizes(), "out must be float32, q's shape");
+  TORCH_CHECK(q.dtype() == at::kFloat || q.dtype() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(out.dtype() == at::kFloat && out.sizes() == q.sizes(), "out must be float32, q's shape");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
@@ -371,11 +371,11 @@ void paged_attention(
   TORCH_CHECK(block_tables.is_contiguous() && row_seqs.is_contiguous() && row_lens.is_contiguous(),
               "metadata must be contiguous");
   TORCH_CHECK(row_seqs.size(0) == q.size(0) && row_lens.size(0) == q.size(0), "one sequence and length per row");
-  if (k_cache.dtype() == torch::kFloat32) {
+  if (k_cache.dtype() == at::kFloat) {
     launch<float>(out, q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, block_tables, row_seqs,
                   row_lens, scale);
   } else {
-    TORCH_CHECK(k_cache.dtype() == torch::kBFloat16, "the cache must be float32 or bfloat16");
+    TORCH_CHECK(k_cache.dtype() == at::kBFloat16, "the cache must be float32 or bfloat16");
     launch<uint16_t>(out, q, reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
                      reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), k_cache, block_tables,
                      row_seqs, row_lens, scale);

@@ -13,7 +13,7 @@
 // Weights are packed once (``tile_pack_weight``) into 1 KB tiles of 16 output columns x 32 inputs in AMX's pair
 // layout, ``[N / 16, K / 32, 16, 32]``: a tile row is 16 columns x one pair of inputs, also one AVX-512 register as
 // the pair dot product takes it. A thread takes two column tiles at a time.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -46,7 +46,7 @@ constexpr int64_t kAmxChunkRows = 256;
 
 enum class Epilogue { kLinear, kSwiGLU };
 
-void check_packed(const torch::Tensor& packed) {
+void check_packed(const at::Tensor& packed) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kTileRows && packed.size(3) == kTileDepth,
               "packed weight: expected [N/16, K/32, 16, 32], got ", packed.sizes());
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "packed weight: contiguous bfloat16");
@@ -258,8 +258,8 @@ void run_amx(const Call& call, int64_t num_rows, int64_t num_pairs, int64_t dept
 
 #endif  // KVSTORM_AMX
 
-void multiply(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed,
-              const std::optional<torch::Tensor>& bias, const std::optional<torch::Tensor>& residual,
+void multiply(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
+              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
               Epilogue epilogue) {
   check_packed(packed);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bfloat16 [M, K], rows dense");
@@ -315,7 +315,7 @@ std::string tile_matmul_isa() {
 #endif
 }
 
-torch::Tensor tile_pack_weight(torch::Tensor weight) {
+at::Tensor tile_pack_weight(at::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "weight: bfloat16 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1);
   TORCH_CHECK(n % kTileCols == 0 && k % kTileDepth == 0, "weight [", n, ", ", k, "]: N a multiple of 16, K of 32");
@@ -327,11 +327,11 @@ torch::Tensor tile_pack_weight(torch::Tensor weight) {
       .view({n / kTileCols, k / kTileDepth, kTileRows, kTileDepth});
 }
 
-void tile_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias,
-                std::optional<torch::Tensor> residual) {
+void tile_linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
+                std::optional<at::Tensor> residual) {
   multiply(out, x, packed, bias, residual, Epilogue::kLinear);
 }
 
-void tile_swiglu(torch::Tensor out, torch::Tensor x, torch::Tensor packed_gate_up) {
+void tile_swiglu(at::Tensor out, at::Tensor x, at::Tensor packed_gate_up) {
   multiply(out, x, packed_gate_up, std::nullopt, std::nullopt, Epilogue::kSwiGLU);
 }
