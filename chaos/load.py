@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+import threading
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from chaos.metrics import scrape
@@ -13,6 +15,8 @@ from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 
 BASELINE_REQUESTS = 3
+# How often a running load looks whether the experiment was interrupted.
+STOP_POLL_S = 0.2
 
 
 HARNESS_DEFAULTS: dict[str, Any] = {
@@ -55,7 +59,8 @@ def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
     try:
         load.metrics_before = scrape(metrics_url)
         with MetricsMonitor(metrics_url) as monitor:
-            result = asyncio.run(run_benchmark(config, show_progress=False, counters=load.counters))
+            benchmark = run_benchmark(config, show_progress=False, counters=load.counters)
+            result = asyncio.run(_unless_stopped(benchmark, state.stopping))
         result.prometheus = monitor.series()
         load.samples = monitor.samples
         load.result = result
@@ -63,6 +68,23 @@ def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
     except Exception as error:
         load.error = f"{type(error).__name__}: {error}"
         raise
+
+
+class LoadStopped(Exception):
+    """The experiment was interrupted while this load ran."""
+
+
+async def _unless_stopped(benchmark: Coroutine[Any, Any, RunResult], stopping: threading.Event) -> RunResult:
+    """The load's run, cancelled (its open streams closed) once ``stopping`` is set."""
+    run = asyncio.ensure_future(benchmark)
+    while not stopping.is_set():
+        done, _ = await asyncio.wait([run], timeout=STOP_POLL_S)
+        if done:
+            return run.result()
+    run.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await run
+    raise LoadStopped("the experiment was interrupted: the load's open streams were closed, the rest not sent")
 
 
 def load_for_probe(name: str, configuration: Mapping[str, Any] | None) -> LoadRun:

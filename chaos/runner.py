@@ -48,7 +48,10 @@ REPORT_BOARDS = ("kvstorm-slo", "kvstorm-engine")
 REPORT_BUCKET_S = 5.0
 SETTINGS = {
     "runtime": {"rollbacks": {"strategy": "always"}},
-    "controls": {"kvstorm-progress": {"provider": {"type": "python", "module": "chaos.progress"}}},
+    "controls": {
+        "kvstorm-progress": {"provider": {"type": "python", "module": "chaos.progress"}},
+        "kvstorm-stop-loads": {"provider": {"type": "python", "module": "chaos.stop_loads"}},
+    },
 }
 
 

@@ -65,6 +65,9 @@ class RunState:
         default_factory=lambda: Path(os.environ[SLO_FILE_ENV]) if os.environ.get(SLO_FILE_ENV) else None
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set when the experiment is interrupted (a SIGTERM from the controller's stop, Ctrl-C): loads still running end
+    # early (chaos.load) instead of holding the process until the rest of their schedule has been sent.
+    stopping: threading.Event = field(default_factory=threading.Event)
     # Who hears the run's events as they happen (``emit``): phases, activities, faults on and off, load figures,
     # each request's end (``kvstorm chaos run --events``, which the chaos controller reads).
     listeners: list[Callable[[dict[str, Any]], None]] = field(default_factory=list)
