@@ -35,22 +35,17 @@ def test_generate_with_a_seed_is_reproducible():
     assert first.stdout == second.stdout
 
 
-def test_invariant_rows_take_a_named_range_and_refuse_others():
-    result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", "--invariant-rows", "latency")
+def test_invariant_rows_and_the_matmul_kernel_are_chosen_by_name_and_others_are_refused():
+    # One generation with both (each run loads the model): which kernel an engine takes is tested in
+    # tests/engine/test_engine_tiny.py.
+    chosen = ("--invariant-rows", "latency", "--matmul-kernel", "onednn")
+    result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", *chosen)
     assert result.returncode == 0, result.stderr
     assert "4 generated tokens" in result.stderr
-    result = run_kvstorm("generate", "--prompt", "x", "--invariant-rows", "fastest")
-    assert result.returncode == 2
-    assert "invalid choice: 'fastest'" in result.stderr
-
-
-def test_the_matmul_kernel_is_chosen_by_name_and_others_are_refused():
-    result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", "--matmul-kernel", "onednn")
-    assert result.returncode == 0, result.stderr
-    assert "4 generated tokens" in result.stderr  # which kernel an engine takes: tests/engine/test_engine_tiny.py
-    result = run_kvstorm("generate", "--prompt", "x", "--matmul-kernel", "mkl")
-    assert result.returncode == 2
-    assert "invalid choice: 'mkl'" in result.stderr
+    for option, unknown in (("--invariant-rows", "fastest"), ("--matmul-kernel", "mkl")):
+        result = run_kvstorm("generate", "--prompt", "x", option, unknown)
+        assert result.returncode == 2
+        assert f"invalid choice: '{unknown}'" in result.stderr
 
 
 def test_bad_arguments_exit_2_with_a_message():
