@@ -298,8 +298,8 @@ def test_the_stack_runs_as_compose_wires_it(tmp_path):
         stack.start("locust-worker", "/")
         locust = stack.url("locust-master")
         wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["worker_count"] == 1, "a worker")
-        # A bounded burst from the web UI's own API: 4 users for 15 s.
-        swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": "15s"}, timeout=10)
+        # A bounded burst from the web UI's own API: 4 users for 8 s.
+        swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": "8s"}, timeout=10)
         assert swarm.json()["success"], swarm.text
         wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the burst",
                  timeout_s=60)  # fmt: skip
