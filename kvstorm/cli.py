@@ -7,52 +7,58 @@ The dispatcher owns every subcommand (``engine_commands``, ``chaos_commands``, `
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
+from collections.abc import Sequence
 
 from kvstorm.bench.doc import update_section
-from kvstorm.bench.goodput import add_bench_goodput_parser, run_bench_goodput
-from kvstorm.bench.kernels_aot import add_bench_kernels_aot_parser, run_bench_kernels_aot
-from kvstorm.bench.offline import add_bench_offline_parser, run_bench_offline
-from kvstorm.bench.preemption_modes import add_bench_preemption_modes_parser, run_bench_preemption_modes
-from kvstorm.bench.serve import (
-    add_bench_client_capacity_parser,
-    add_bench_serve_parser,
-    run_bench_client_capacity,
-    run_bench_serve,
-)
-from kvstorm.chaos_commands import add_chaos_parser, add_demo_parser
-from kvstorm.dashboards_commands import add_dashboards_parser
-from kvstorm.engine_commands import add_generate_parser, add_serve_parser
+
+# Each command's module, imported only when that command runs (all of them for --help or an unknown command):
+# torch, transformers and the engine take seconds to import, and the harness's commands (chaos, bench serve) and
+# the chaos controller's runs never use them.
+COMMANDS = {
+    "demo": ("kvstorm.chaos_commands", "add_demo_parser"),
+    "generate": ("kvstorm.engine_commands", "add_generate_parser"),
+    "serve": ("kvstorm.engine_commands", "add_serve_parser"),
+    "chaos": ("kvstorm.chaos_commands", "add_chaos_parser"),
+    "dashboards": ("kvstorm.dashboards_commands", "add_dashboards_parser"),
+}
+# ``kvstorm bench NAME``: module, its parser, its run (which returns a BenchReport).
+BENCHMARKS = {
+    "offline": ("kvstorm.bench.offline", "add_bench_offline_parser", "run_bench_offline"),
+    "serve": ("kvstorm.bench.serve", "add_bench_serve_parser", "run_bench_serve"),
+    "preemption-modes": (
+        "kvstorm.bench.preemption_modes",
+        "add_bench_preemption_modes_parser",
+        "run_bench_preemption_modes",
+    ),
+    "client-capacity": ("kvstorm.bench.serve", "add_bench_client_capacity_parser", "run_bench_client_capacity"),
+    "goodput": ("kvstorm.bench.goodput", "add_bench_goodput_parser", "run_bench_goodput"),
+    "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ARGV that names a command (and a benchmark), only that command's branch."""
+    words = [arg for arg in argv or () if not arg.startswith("-")]
+    command = words[0] if words and words[0] in [*COMMANDS, "bench"] else None
+    benchmark = words[1] if command == "bench" and len(words) > 1 and words[1] in BENCHMARKS else None
     parser = argparse.ArgumentParser(prog="kvstorm", description="continuous-batching LLM engine and chaos harness")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    add_demo_parser(subparsers)
-    add_generate_parser(subparsers)
-    add_serve_parser(subparsers)
-    add_chaos_parser(subparsers)
-    add_dashboards_parser(subparsers)
+    for name, (module, add_parser) in COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), add_parser)(subparsers)
+    if command not in (None, "bench"):
+        return parser
     bench = subparsers.add_parser("bench", help="benchmarks that print numbers and record them in docs/benchmarks.md")
     bench.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     bench_subparsers = bench.add_subparsers(dest="bench", required=True)
-    add_bench_offline_parser(bench_subparsers)
-    bench_subparsers.choices["offline"].set_defaults(handler=_bench_handler(run_bench_offline, "offline"))
-    add_bench_serve_parser(bench_subparsers)
-    bench_subparsers.choices["serve"].set_defaults(handler=_bench_handler(run_bench_serve, "serve"))
-    add_bench_preemption_modes_parser(bench_subparsers)
-    bench_subparsers.choices["preemption-modes"].set_defaults(
-        handler=_bench_handler(run_bench_preemption_modes, "preemption-modes")
-    )
-    add_bench_client_capacity_parser(bench_subparsers)
-    bench_subparsers.choices["client-capacity"].set_defaults(
-        handler=_bench_handler(run_bench_client_capacity, "client-capacity")
-    )
-    add_bench_goodput_parser(bench_subparsers)
-    bench_subparsers.choices["goodput"].set_defaults(handler=_bench_handler(run_bench_goodput, "goodput"))
-    add_bench_kernels_aot_parser(bench_subparsers)
-    bench_subparsers.choices["kernels-aot"].set_defaults(handler=_bench_handler(run_bench_kernels_aot, "kernels-aot"))
+    for name, (module_name, add_parser, run) in BENCHMARKS.items():
+        if benchmark in (None, name):
+            module = importlib.import_module(module_name)
+            getattr(module, add_parser)(bench_subparsers)
+            bench_subparsers.choices[name].set_defaults(handler=_bench_handler(getattr(module, run), name))
     return parser
 
 
@@ -95,7 +101,8 @@ def reproducible_args(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError) as error:
