@@ -18,7 +18,7 @@ is within 5 ms; on a quiet machine the first run is, with 2 to 3 ms to spare. A 
 all five; every run must classify every request exactly.
 
 The 40 ms gap keeps 200 streams at about 5,000 tokens/s, half of what one client core keeps within 1 ms on the AMD
-EPYC (Zen 4) of our workstations (``kvstorm bench client-capacity``): with a 20 ms gap, CI's older and slower EPYC
+EPYC (Zen 4) we develop on (``kvstorm bench client-capacity``): with a 20 ms gap, CI's older and slower EPYC
 measured a p99 of 5.4 ms in all five runs. With the 40 ms gap, client and server pinned together to one CPU of the
 Zen 4 still measured within 1 ms.
 """
