@@ -9,7 +9,8 @@ grid, arguments, constexprs and ``num_warps`` are exactly what they pick at run 
 
     python -m kernels.aot            # the whole matrix; the table; exit 1 on a compile error, a spill, or too
                                      # much shared memory
-    python -m kernels.aot --quick    # the largest configuration of each kernel (what CI runs)
+    python -m kernels.aot --quick    # the largest configuration of each kernel
+    python -m kernels.aot --dtypes bf16,fp32   # the matrix in these dtypes only (what the tests compile)
     kvstorm bench kernels-aot        # the whole matrix, recorded in docs/benchmarks.md
 
 Needs ``TRITON_INTERPRET`` unset (compiled kernels, not interpreted ones).
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -213,10 +214,10 @@ def launches(config: Config) -> list[Launch]:
     return recorded
 
 
-def matrix(quick: bool = False) -> list[Config]:
+def matrix(quick: bool = False, dtypes: Sequence[str] = tuple(DTYPES)) -> list[Config]:
     if quick:  # the most registers and shared memory each kernel asks for, in both dot precisions
-        return [Config(dtype, 128, 32, 8) for dtype in ("bf16", "fp32")]
-    return [Config(*values) for values in itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
+        return [Config(dtype, 128, 32, 8) for dtype in ("bf16", "fp32") if dtype in dtypes]
+    return [Config(*values) for values in itertools.product(dtypes, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
 
 
 def compile_launch(launch: Launch, config: Config, target: Target) -> Result:
@@ -313,9 +314,13 @@ def grouped_table(results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="only the largest configuration of each kernel")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated, of {', '.join(DTYPES)}")
     args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if unknown := set(dtypes) - set(DTYPES):
+        parser.error(f"unknown dtypes {sorted(unknown)}; choose from {', '.join(DTYPES)}")
     started = time.perf_counter()
-    results = check(matrix(args.quick))
+    results = check(matrix(args.quick, dtypes))
     print(table(results))
     print(summary(results, time.perf_counter() - started))
     return 1 if any(r.problems for r in results) else 0

