@@ -9,11 +9,11 @@ import sys
 
 def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_admission(tmp_path):
     # 4x of 6 req/s is far above what the server serves here: with the compiled attention it kept up with 4x of 2.
-    # The client gives up after 20 s: without admission a slow machine would otherwise drain the whole backlog. One
+    # The client gives up after 10 s: without admission a slow machine would otherwise drain the whole backlog. One
     # multiple: each row is a fresh server and a run (about 30 s on 2 cores), and one overload tells the two apart.
     command = [
         sys.executable, "-m", "kvstorm", "bench", "--no-docs", "goodput", "--capacity", "6", "--multiples", "4",
-        "--duration", "5s", "--request-timeout", "20s", "--input-len", "fixed:128", "--output-len", "fixed:16",
+        "--duration", "5s", "--request-timeout", "10s", "--input-len", "fixed:128", "--output-len", "fixed:16",
         "--ttft-slo", "2s",
         "--warm-up", "0s", "--server-args", "--dtype float32 --kv-cache-memory 32MiB --swap-space 64MiB",
         "--results-dir", str(tmp_path),
