@@ -22,8 +22,7 @@ COMPILED = {key: value for key, value in os.environ.items() if key != "TRITON_IN
 def test_every_kernel_of_the_matrix_compiles_without_spills():
     result = subprocess.run(
         [sys.executable, "-m", "kernels.aot", "--dtypes", "bf16,fp32"], capture_output=True, text=True, env=COMPILED,
-        timeout=600,
-        check=False,
+        timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| _")]
