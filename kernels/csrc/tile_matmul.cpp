@@ -116,6 +116,8 @@ void multiply_rows_avx512(const Call& call, int64_t m, int64_t pair) {
   const c10::BFloat16* w1 = w0 + call.depth_tiles * kTileElements;
   __m512 first[kRows], second[kRows];
   const c10::BFloat16* rows[kRows];
+  // Unrolled loops keep the sums in registers from the start (else the compiler zeroes them on the stack first).
+#pragma GCC unroll 16
   for (int r = 0; r < kRows; ++r) {
     first[r] = second[r] = _mm512_setzero_ps();
     rows[r] = call.x + (m + r) * call.x_stride;
@@ -131,6 +133,7 @@ void multiply_rows_avx512(const Call& call, int64_t m, int64_t pair) {
       second[r] = _mm512_dpbf16_ps(second[r], a, b1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < kRows; ++r) finish_row(call, m + r, pair, first[r], second[r]);
 }
 
