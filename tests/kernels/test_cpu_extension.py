@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from torch.utils.cpp_extension import _get_build_directory
@@ -38,3 +39,13 @@ def test_kernels_load_from_the_same_build_with_no_ninja_on_path(tmp_path):
     assert child.returncode == 0, child.stderr
     assert "unavailable" not in child.stderr, child.stderr
     assert library.stat().st_mtime_ns == built_at, "the kernels were rebuilt: " + child.stderr
+
+
+def test_a_non_editable_install_ships_every_kernel_source():
+    """The image installs kvstorm with `pip install .` and builds the kernels from the installed copy, so the package
+    data must name every file the build reads: each .cpp and the headers they include (the headers were left out
+    once, and the image's kernels could not build)."""
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    shipped = {path for pattern in patterns for path in (root / "kernels").glob(pattern)}
+    assert shipped == set((root / "kernels" / "csrc").iterdir())
