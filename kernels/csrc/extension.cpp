@@ -25,13 +25,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own operators do: the server's event loop (another thread) keeps
   // streaming while the engine thread is in a forward pass instead of waiting for the GIL between its calls.
   const auto kReleaseGil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_attention", &paged_attention, "attention of query rows over the paged cache (float32 or bfloat16)", kReleaseGil);
+  m.def("paged_attention", &paged_attention, "attention of query rows over the paged cache (float32 or bfloat16)",
+        kReleaseGil);
   m.def("argmax_rows", &argmax_rows, "index of each row's largest value (torch.argmax's ties and NaNs)", kReleaseGil);
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 sums, the reference's roundings)", kReleaseGil);
   m.def("rotate_heads_", &rotate_heads_, "rotate-half rotary embeddings of a row's first heads, in place", kReleaseGil);
   m.def("tile_matmul_isa", &tile_matmul_isa, "what the tile matmuls run on here: amx, avx512-bf16 or nothing");
   m.def("tile_pack_weight", &tile_pack_weight, "a bfloat16 weight [N, K] in AMX tiles [N/16, K/32, 16, 32]");
   m.def("tile_linear", &tile_linear, "x . W^T (+ bias, + residual) on packed tiles, bfloat16", kReleaseGil);
-  m.def("tile_swiglu", &tile_swiglu, "silu(x . G^T) * (x . U^T) on packed tiles, gate and up tiles interleaved", kReleaseGil);
-  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer on tile matmuls and the paged cache, in one call", kReleaseGil);
+  m.def("tile_swiglu", &tile_swiglu, "silu(x . G^T) * (x . U^T) on packed tiles, gate and up tiles interleaved",
+        kReleaseGil);
+  m.def("decoder_layer", &decoder_layer, "a Llama decoder layer on tile matmuls and the paged cache, in one call",
+        kReleaseGil);
 }
