@@ -7,9 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+from setuptools.config.pyprojecttoml import read_configuration
 from torch.utils.cpp_extension import _get_build_directory
 
 from kernels.cpu_extension import compiled_kernels
@@ -46,6 +46,6 @@ def test_a_non_editable_install_ships_every_kernel_source():
     data must name every file the build reads: each .cpp and the headers they include (the headers were left out
     once, and the image's kernels could not build)."""
     root = Path(__file__).resolve().parents[2]
-    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    patterns = read_configuration(root / "pyproject.toml")["tool"]["setuptools"]["package-data"]["kernels"]
     shipped = {path for pattern in patterns for path in (root / "kernels").glob(pattern)}
     assert shipped == set((root / "kernels" / "csrc").iterdir())
