@@ -309,13 +309,13 @@ void attend_group_avx512(const Problem<Cache>& p, int64_t row, int64_t kv_head, 
       if (pos % 16 != 15 && pos != len - 1) continue;
       const int64_t tile = pos - pos % 16, count = pos % 16 + 1;
       for (int64_t g = 0; g < group; ++g) {
+        const float* head = query + g * D;
+        const uint16_t* head_bf16 = query_bf16 == nullptr ? nullptr : query_bf16 + g * D;
         // Unrolled, so that the 16 sums stay in registers (a loop to `count` kept them on the stack).
         __m512 dots[16];
 #pragma GCC unroll 16
         for (int64_t i = 0; i < 16; ++i) {
-          dots[i] = i < count ? lane_products<NC>(query + g * D, query_bf16 == nullptr ? nullptr : query_bf16 + g * D,
-                                                  keys[i])
-                              : _mm512_setzero_ps();
+          dots[i] = i < count ? lane_products<NC>(head, head_bf16, keys[i]) : _mm512_setzero_ps();
         }
         const __m512 tile_scores = _mm512_mul_ps(sum_lanes_of_each(dots), _mm512_set1_ps(p.scale));
         _mm512_mask_storeu_ps(scores.data() + g * len + tile, tail_mask(count), tile_scores);
