@@ -1,5 +1,6 @@
 """Building the CPU kernels does not depend on which ninja, if any, the caller's PATH has: the loader uses the one the
-package installs, so a shell without a system ninja gets the kernels, and it reuses the build another PATH made."""
+package installs, so a shell without a system ninja gets the kernels, and it reuses the build another PATH made. A
+non-editable install carries every source file the build reads."""
 
 from __future__ import annotations
 
