@@ -4,13 +4,15 @@ stream, in bfloat16 and float32, one run.
 Per dtype, each part in its own child process with the same engine options:
 
 - w1-throughput: offline and served runs alternate, offline first and last (offline, served, offline, served,
-  offline): this machine's speed drifts by up to 20% within minutes, so one served run against the offline runs
-  around it measured the drift as often as the server. The ratio compares the best served run with the best
-  offline run (three offline chances against two served ones: drift cannot flatter the server). The server
-  (admission off: it would refuse part of a burst this size) gets every request at once as concurrent SSE
-  streams from the load generator (greedy, exact output lengths, every stream checked); its throughput is
-  output tokens over the time from the first send to the last [DONE]. The roofline is the fastest square matmul
-  in that dtype, measured in every offline child, before and after its run (the best counts).
+  offline, served, offline): this machine's speed drifts by up to 20% within minutes, so a served run is compared
+  with the mean of the two offline runs around it (a drift steady over those minutes cancels), and the ratio
+  reported is the mean over the served runs. The server (admission off: it would refuse part of a burst this
+  size) gets every request at once as concurrent SSE streams from the load generator (greedy, exact output
+  lengths, every stream checked); its throughput is output tokens over the time from the first send to the last
+  [DONE]. What the HTTP side costs is also measured directly, free of drift: the CPU time of the server's event
+  loop thread and of the load generator (the same machine's two cores) during each served run. The roofline is
+  the fastest square matmul in that dtype, measured in every offline child, before and after its run (the best
+  counts).
 - Single stream: the offline engine decoding one request (128-token prompt, 256 tokens, greedy), then the server
   with one request at a time (128 / 128 tokens, sampled at temperature 1 as a client's default) and with Poisson
   arrivals at 1 request/s (128 / 64 tokens, 30 s).
@@ -25,6 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -73,22 +77,41 @@ else:
 """
 
 
-SERVED_RUNS = 2  # with one more offline run around them
+SERVED_RUNS = 3  # each between two offline runs
+
+
+@dataclass
+class ServedRun:
+    summary: Summary
+    event_loop_cpu_s: float  # the server's main thread: HTTP, JSON, SSE writes
+    client_cpu_s: float  # the load generator, in this process
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.summary.output_token_throughput
 
 
 @dataclass
 class DtypeResult:
     dtype: str
     offline: list[float]  # output tok/s of each offline run, in order
-    served: list[Summary]  # each served run, in order (between two offline ones)
+    served: list[ServedRun]  # each served run, in order: served[i] ran between offline[i] and offline[i + 1]
     roofline_gflops: float
     offline_single_stream: float
     one_at_a_time: Summary
     one_per_second: Summary
 
+    def bracketed_ratios(self) -> list[float]:
+        """Each served run over the mean of the offline runs just before and after it."""
+        return [
+            run.tokens_per_s / ((before + after) / 2)
+            for run, before, after in zip(self.served, self.offline[:-1], self.offline[1:], strict=True)
+        ]
+
     @property
     def served_over_offline(self) -> float:
-        return max(s.output_token_throughput for s in self.served) / max(self.offline)
+        ratios = self.bracketed_ratios()
+        return sum(ratios) / len(ratios)
 
 
 def run_offline(part: str, dtype: str, num_requests: int = 0) -> dict:
@@ -149,16 +172,35 @@ def serve(dtype: str) -> tuple[ManagedServer, str]:
     return server, url
 
 
+def run_served(dtype: str, num_requests: int) -> ServedRun:
+    server, url = serve(dtype)
+    try:
+        event_loop_before, client_before = thread_cpu_s(server.process.pid), own_cpu_s()
+        summary = asyncio.run(run_w1_streams(url, num_requests))
+        event_loop_cpu_s, client_cpu_s = thread_cpu_s(server.process.pid), own_cpu_s()
+    finally:
+        server.stop()
+    return ServedRun(summary, event_loop_cpu_s - event_loop_before, client_cpu_s - client_before)
+
+
+def thread_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the process's main thread (Linux)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def measure(dtype: str, num_requests: int) -> DtypeResult:
-    print(f"[bench serve] {dtype}: w1 offline, served, offline; then a single stream", file=sys.stderr, flush=True)
+    print(f"[bench serve] {dtype}: w1 offline and served in turn; then a single stream", file=sys.stderr, flush=True)
     offline = [run_offline("w1", dtype, num_requests)]
     served = []
     for _ in range(SERVED_RUNS):
-        server, url = serve(dtype)
-        try:
-            served.append(asyncio.run(run_w1_streams(url, num_requests)))
-        finally:
-            server.stop()
+        served.append(run_served(dtype, num_requests))
         offline.append(run_offline("w1", dtype, num_requests))
     single = run_offline("single", dtype)
     server, url = serve(dtype)
@@ -190,16 +232,16 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
 
     w1_rows = []
     for r in results:
-        runs = [("offline engine", r.offline[0])]
-        for served, offline in zip(r.served, r.offline[1:], strict=True):
-            runs += [("served (HTTP + SSE)", served.output_token_throughput), ("offline engine", offline)]
-        w1_rows += [f"| {r.dtype} | {name} | {tok_s:.1f} | {roofline_share(tok_s, r)} | |" for name, tok_s in runs]
-        best_served = max(s.output_token_throughput for s in r.served)
-        w1_rows.append(
-            f"| {r.dtype} | **best served / best offline** | {best_served:.1f} / {max(r.offline):.1f} "
-            f"| {roofline_share(best_served, r)} / {roofline_share(max(r.offline), r)} "
-            f"| **{r.served_over_offline:.0%}** |"
-        )
+        w1_rows.append(f"| {r.dtype} | offline engine | {r.offline[0]:.1f} | {roofline_share(r.offline[0], r)} | | |")
+        for served, ratio, offline in zip(r.served, r.bracketed_ratios(), r.offline[1:], strict=True):
+            tok_s = served.tokens_per_s
+            w1_rows += [
+                f"| {r.dtype} | served (HTTP + SSE) | {tok_s:.1f} | {roofline_share(tok_s, r)} | {ratio:.1%} "
+                f"| {served.event_loop_cpu_s:.2f} + {served.client_cpu_s:.2f} "
+                f"({served.summary.duration_s:.0f} s) |",
+                f"| {r.dtype} | offline engine | {offline:.1f} | {roofline_share(offline, r)} | | |",
+            ]
+        w1_rows.append(f"| {r.dtype} | **mean of the served runs** | | | **{r.served_over_offline:.1%}** | |")
     stream_rows = [
         f"| {r.dtype} | {r.offline_single_stream:.1f} ({1000 / r.offline_single_stream:.1f} ms) "
         f"| {ms(r.one_at_a_time.tpot.p50)} | {ms(r.one_at_a_time.ttft.p50)} "
@@ -218,10 +260,15 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
             "streams sent at once, against the offline engine with the same options (4 GiB KV, up to 256 running) "
             "in the same run, SmolLM2-135M on this machine's CPU. Share of roofline: the workload's "
             f"{nominal_flop / 1e12:.2f} TFLOP (2 x parameters per token plus attention) over the wall time, against "
-            f"the fastest square matmul in that dtype measured in the same run ({rooflines}).",
+            f"the fastest square matmul in that dtype measured in the same run ({rooflines}). Offline and served "
+            "runs alternate, as this machine's speed drifts by up to 20% within minutes: each served run is compared "
+            "with the mean of the offline runs just before and after it. The last column is what the HTTP side cost, "
+            "free of drift: CPU seconds of the server's event loop thread and of the load generator during the run, "
+            "taken from the two cores the engine's two threads compute on.",
             "",
-            "| dtype | run, in order | output tok/s | share of roofline | served / offline |",
-            "|---|---|---|---|---|",
+            "| dtype | run, in order | output tok/s | share of roofline | served / mean of the offline runs around it "
+            "| CPU s of the server's event loop + the load generator (run's wall time) |",
+            "|---|---|---|---|---|---|",
             *w1_rows,
             "",
             "Single stream: the offline engine decoding one request (128-token prompt, 256 tokens, greedy); the "
