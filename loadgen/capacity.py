@@ -106,14 +106,21 @@ async def _cpu_seconds_in(window: tuple[float, float], start_ts: float, server_p
     readings = []
     for offset_s in window:
         await asyncio.sleep(max(0.0, start_ts + offset_s - time.perf_counter()))
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        readings.append((usage.ru_utime + usage.ru_stime, _process_cpu_s(server_pid)))
+        readings.append((own_cpu_s(), process_cpu_s(server_pid)))
     (client_before, server_before), (client_after, server_after) = readings
     return client_after - client_before, server_after - server_before
 
 
-def _process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def own_cpu_s() -> float:
+    """User + system CPU seconds of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_s(pid: int, thread_id: int | None = None) -> float:
+    """User + system CPU seconds of another process so far, or of one of its threads (Linux)."""
+    stat = Path(f"/proc/{pid}/stat" if thread_id is None else f"/proc/{pid}/task/{thread_id}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 

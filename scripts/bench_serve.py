@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +37,7 @@ from kvstorm.bench.process import run_child
 from kvstorm.bench.w1 import count_flops, w1_throughput
 from loadgen.analysis import Summary, summarize
 from loadgen.benchmark import run_benchmark
+from loadgen.capacity import own_cpu_s, process_cpu_s
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
@@ -175,24 +174,13 @@ def serve(dtype: str) -> tuple[ManagedServer, str]:
 def run_served(dtype: str, num_requests: int) -> ServedRun:
     server, url = serve(dtype)
     try:
-        event_loop_before, client_before = thread_cpu_s(server.process.pid), own_cpu_s()
+        pid = server.process.pid  # the main thread's id too: the event loop's
+        event_loop_before, client_before = process_cpu_s(pid, thread_id=pid), own_cpu_s()
         summary = asyncio.run(run_w1_streams(url, num_requests))
-        event_loop_cpu_s, client_cpu_s = thread_cpu_s(server.process.pid), own_cpu_s()
+        event_loop_cpu_s, client_cpu_s = process_cpu_s(pid, thread_id=pid), own_cpu_s()
     finally:
         server.stop()
     return ServedRun(summary, event_loop_cpu_s - event_loop_before, client_cpu_s - client_before)
-
-
-def thread_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the process's main thread (Linux)."""
-    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def measure(dtype: str, num_requests: int) -> DtypeResult:
