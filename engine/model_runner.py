@@ -14,6 +14,7 @@ from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.faults import EngineFaults
+from engine.host_memory import keep_freed_host_memory
 from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import describe_packed_matmuls, packing_applies, set_batch_invariant
 from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
@@ -25,7 +26,8 @@ class ModelRunner:
     """Owns the model, the device KV cache, the host swap cache and each request's random stream; raises the
     engine's faults (``engine.faults``) where a device would. On the CPU it prepacks the model's linear weights
     for kvstorm's tile matmuls or oneDNN and runs its norms and rotary embeddings through the compiled kernels where
-    they build (in place: a model handed to a runner serves inference only from then on)."""
+    they build (in place: a model handed to a runner serves inference only from then on). On the CPU it also keeps
+    the host memory a step frees for the next (``engine.host_memory``)."""
 
     def __init__(
         self,
@@ -42,6 +44,8 @@ class ModelRunner:
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
+        if self.device.type == "cpu":  # the steps' activations live in host memory
+            keep_freed_host_memory()
         # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or the packed
         # layers' kernels and how many rows a call takes when that keeps each row's result batch-invariant
         # (``describe_packed_matmuls``).
