@@ -28,10 +28,10 @@ _SETTINGS = (
 )
 
 
-def keep_freed_host_memory() -> bool:
-    """Set glibc's thresholds for the whole process (once is enough; again is harmless). False where the C library
+def keep_freed_host_memory() -> None:
+    """Set glibc's thresholds for the whole process (once is enough; again is harmless). Nothing where the C library
     is not glibc (musl, macOS), whose allocators this does not concern."""
     libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return all(libc.mallopt(parameter, value) == 1 for parameter, value in _SETTINGS)
+    if hasattr(libc, "gnu_get_libc_version"):
+        for parameter, value in _SETTINGS:
+            libc.mallopt(parameter, value)

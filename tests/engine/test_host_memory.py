@@ -18,7 +18,7 @@ _STEPS_ON_A_THREAD = textwrap.dedent(
     from kvstorm.bench.w1 import w1_throughput
 
     if sys.argv[1] == "glibc-defaults":
-        engine.model_runner.keep_freed_host_memory = lambda: False
+        engine.model_runner.keep_freed_host_memory = lambda: None
     llm_engine = LLM("smollm2-135m", dtype="bfloat16", kv_cache_memory=1 << 30, swap_space=0).engine
     workload = w1_throughput(32)
 
