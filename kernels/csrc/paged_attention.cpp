@@ -159,13 +159,18 @@ inline float exponentiate(float* row, int64_t len) {
 // ones.
 constexpr int64_t kPrefetchBlocks = 2;
 
+// An asm statement, not _mm_prefetch: GCC may delete __builtin_prefetch loops as free of effects. This file built
+// at -O1 held none, and at -O3 none after a change to the functions around them, and decoding took twice as long
+// (128 decodes of 100-760 tokens, 30 layers, two cores: 131-147 ms against 67-80 with the same code prefetching).
+inline void prefetch_to_l2(const void* address) {
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
+}
+
 template <int64_t D, typename Cache>
 inline void prefetch_rows(const Cache* rows_of_head, int64_t num_rows, int64_t row_stride) {
   constexpr int64_t kLineElements = 64 / sizeof(Cache);
   for (int64_t row = 0; row < num_rows; ++row) {
-    for (int64_t e = 0; e < D; e += kLineElements) {
-      _mm_prefetch(reinterpret_cast<const char*>(rows_of_head + row * row_stride + e), _MM_HINT_T1);
-    }
+    for (int64_t e = 0; e < D; e += kLineElements) prefetch_to_l2(rows_of_head + row * row_stride + e);
   }
 }
 
