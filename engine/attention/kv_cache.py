@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from engine.attention.backend import AttentionBackend, KVCacheLayer
+from engine.host_memory import zeros_on_huge_pages
 
 
 class KVCacheShape(Protocol):
@@ -29,7 +30,8 @@ class PagedKVCache:
 
     One tensor makes moving a set of blocks (every layer, K and V) a single
     indexed copy. ``layers`` are per-layer ``(K, V)`` views, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``. In host memory (not pinned) it sits on huge pages
+    (``engine.host_memory.zeros_on_huge_pages``).
     """
 
     def __init__(
@@ -44,7 +46,10 @@ class PagedKVCache:
         if num_blocks < 0 or block_size <= 0:
             raise ValueError(f"num_blocks must be >= 0 and block_size > 0, got {num_blocks}, {block_size}")
         shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+        if torch.device(device).type == "cpu" and not pin_memory:
+            self.data = zeros_on_huge_pages(shape, dtype)
+        else:
+            self.data = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layers: list[KVCacheLayer] = [(layer[0], layer[1]) for layer in self.data]
