@@ -6,7 +6,8 @@ machine's drift hits both alike. Reports the median over runs.
 The model's attention shapes (9 query and 3 KV heads of 64, blocks of 16 tokens), 30 layers with a cache each:
 
 - decode: 72 sequences of 100-700 tokens (uniform, seed 0) whose blocks are scattered over the pool, one new token
-  each, through all 30 layers; the caches (30 x 2 x 22 MB in bfloat16) do not fit in any CPU cache, as in serving;
+  each, through all 30 layers; the caches (30 x 2 x 22 MB in bfloat16, one tensor on huge pages as the engine
+  allocates it) do not fit in any CPU cache, as in serving;
 - prefill: 8 prompts of 250 tokens as one step's rows, nothing cached before, through all 30 layers.
 
 Writes the "attention" section of docs/benchmarks.md.
@@ -22,11 +23,13 @@ import platform
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.kv_cache import PagedKVCache
 from engine.attention.torch_backend import TorchAttentionBackend
 from kvstorm.bench.doc import update_section
 
@@ -50,8 +53,12 @@ class Step:
             [q for _, q in shapes], [s for s, _ in shapes], slots, block_tables, BLOCK_SIZE, torch.device("cpu")
         )
         rows = len(slots)
-        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        self.caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
+        # Allocated as the engine allocates its cache (one tensor, on huge pages), then filled layer by layer.
+        shape = SimpleNamespace(num_layers=LAYERS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM)
+        cache = PagedKVCache(shape, num_blocks, BLOCK_SIZE, dtype, "cpu")
+        for layer in cache.data:
+            layer.copy_(torch.randn(layer.shape))
+        self.caches = cache.layers
         self.q = torch.randn(rows, NUM_HEADS, HEAD_DIM).to(dtype)
         self.k, self.v = (torch.randn(rows, NUM_KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
 
@@ -95,7 +102,8 @@ def main() -> None:
             "",
             f"Each backend's `forward` (cache write included) on the same inputs, {LAYERS} layers with a cache each, "
             f"the model's shapes ({NUM_HEADS} query and {NUM_KV_HEADS} KV heads of {HEAD_DIM}, blocks of "
-            f"{BLOCK_SIZE}); decode blocks scattered over the pool; medians of {args.runs} interleaved runs, "
+            f"{BLOCK_SIZE}), the caches allocated as the engine does (on huge pages); decode blocks scattered over the "
+            f"pool; medians of {args.runs} interleaved runs, "
             f"{torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}.",
             "",
             *table,
