@@ -147,11 +147,17 @@ class AsyncEngine:
     # ---- requests (event loop side) -------------------------------------------------------------
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams, request_id: str, retry_key: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        retry_key: str | None = None,
+        arrival_ts: float | None = None,
     ) -> RequestStream:
         """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
-        ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it)."""
-        request = self.engine.prepare_request(prompt, params, request_id)
+        ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
+        ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
+        request = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
         decision, model_ttft_s = self._decide(NewRequest(request.num_prompt_tokens, params.max_tokens, retry_key))
         if decision.honoured_retry:
             self.metrics.observe_retry(admitted=decision.refusal is None)

@@ -204,6 +204,7 @@ def _ignored_header(ignored: Sequence[str]) -> dict[str, str]:
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
+    arrival_ts = time.monotonic()  # the server's TTFT counts from here, as a client's does: reading and tokenizing too
     body, ignored = await _read_body(request, CompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
     try:
@@ -221,11 +222,13 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         _per_choice(params, len(prompts), body.n),
         async_engine,
         ignored,
+        arrival_ts,
         echoes=[echo for _, echo in choices],
     )
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    arrival_ts = time.monotonic()
     body, ignored = await _read_body(request, ChatCompletionRequest)
     async_engine = _check_model_and_engine(request, body.model)
     tokenizer = async_engine.engine.tokenizer
@@ -238,7 +241,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     params_list = _per_choice(params, 1, body.n)
-    return await _generate(request, body, "chatcmpl", [prompt_ids] * body.n, params_list, async_engine, ignored)
+    prompts = [prompt_ids] * body.n
+    return await _generate(request, body, "chatcmpl", prompts, params_list, async_engine, ignored, arrival_ts)
 
 
 def _per_choice(params: SamplingParams, num_prompts: int, n: int) -> list[SamplingParams]:
@@ -278,12 +282,13 @@ async def _generate(
     params_list: Sequence[SamplingParams],
     async_engine: AsyncEngine,
     ignored: Sequence[str],
+    arrival_ts: float,
     echoes: Sequence[str] | None = None,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     # The same body sent again is the same request: a client that honours a Retry-After resends it unchanged.
     retry_key = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
-    streams = _submit_all(async_engine, response_id, prompts, params_list, retry_key)
+    streams = _submit_all(async_engine, response_id, prompts, params_list, retry_key, arrival_ts)
     tokenizer = async_engine.engine.tokenizer
     is_chat = isinstance(body, ChatCompletionRequest)
     assemblers = [ChoiceAssembler(tokenizer, is_chat, echo) for echo in echoes or [""] * len(params_list)]
@@ -312,12 +317,14 @@ def _submit_all(
     prompts: Sequence[str | list[int]],
     params_list: Sequence[SamplingParams],
     retry_key: str,
+    arrival_ts: float,
 ) -> list[RequestStream]:
     """All prompts or none: a refusal of one aborts those already queued."""
     streams: list[RequestStream] = []
     try:
         for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            streams.append(async_engine.submit(prompt, params, f"{response_id}-{index}", f"{retry_key}-{index}"))
+            request_id, request_retry_key = f"{response_id}-{index}", f"{retry_key}-{index}"
+            streams.append(async_engine.submit(prompt, params, request_id, request_retry_key, arrival_ts))
     except (ValueError, AdmissionRefused) as error:
         for stream in streams:
             async_engine.abort(stream.request_id)
@@ -386,9 +393,9 @@ async def _stream(
     )
     await response.prepare(request)
 
-    async def send(payload: dict | str) -> None:
-        data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-        await response.write(f"data: {data}\n\n".encode())
+    async def send(*payloads: dict | str) -> None:
+        events = (p if isinstance(p, str) else json.dumps(p, separators=(",", ":")) for p in payloads)
+        await response.write("".join(f"data: {data}\n\n" for data in events).encode())
 
     try:
         try:
@@ -411,41 +418,28 @@ async def _send_chunks(
     streams: Sequence[RequestStream],
     assemblers: Sequence[ChoiceAssembler],
 ) -> None:
-    """Each choice's role (chat) or echoed prompt (completions) first, then one chunk per engine output (so one per
-    token), the finish reason in the last; then usage if asked (in every chunk with continuous_usage_stats)."""
+    """One chunk per engine output (so one per token), the finish reason in the last; then usage if asked (in every
+    chunk with continuous_usage_stats). A choice's role (chat) or echoed prompt (completions) leaves with its first
+    token, in the same write: nothing with ``choices`` goes out before a token exists (see docs/architecture.md,
+    "Stream timing")."""
     is_chat = isinstance(body, ChatCompletionRequest)
     include_usage = body.include_usage
 
     def usage() -> Usage | None:
         return usage_of(assemblers) if body.continuous_usage else None
 
-    for index, assembler in enumerate(assemblers):
-        if is_chat:
-            await send(role_chunk(response_id, created, model, index, include_usage, usage()))
-        elif assembler.text:
-            await send(
-                token_chunk(
-                    response_id, False, created, model, index, assembler.text, None, None, include_usage, usage()
-                )
-            )
     async for index, output in _merge(streams):
         assembler = assemblers[index]
+        chunks = []
+        if is_chat and not assembler.is_started:
+            chunks.append(role_chunk(response_id, created, model, index, include_usage, usage()))
         delta, logprobs = assembler.push(output)
         formatted = assembler.format_logprobs(logprobs) if logprobs else None
-        await send(
-            token_chunk(
-                response_id,
-                is_chat,
-                created,
-                model,
-                index,
-                delta,
-                formatted,
-                output.finish_reason,
-                include_usage,
-                usage(),
-            )
+        reason = output.finish_reason
+        chunks.append(
+            token_chunk(response_id, is_chat, created, model, index, delta, formatted, reason, include_usage, usage())
         )
+        await send(*chunks)
     if include_usage:
         await send(usage_chunk(response_id, is_chat, created, model, assemblers))
 

@@ -34,13 +34,18 @@ class ChoiceAssembler:
         self.tokenizer = tokenizer  # names the tokens of logprobs; the engine decodes the text
         self.chat = chat  # which OpenAI shape its logprobs take
         self.text = echo  # a completion with echo starts with its prompt
+        self.is_started = False  # whether an output reached this choice yet
         self.logprobs: list[TokenLogprobs] | None = None  # every token's, once the request's outputs carry them
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
 
     def push(self, output: RequestOutput) -> tuple[str, tuple[TokenLogprobs, ...]]:
-        """The text delta this output brings, and its tokens' logprobs (none unless the request asked)."""
+        """The text delta this output brings, and its tokens' logprobs (none unless the request asked). The first
+        delta starts with the echoed prompt: it leaves with the first generated token, as vLLM sends it, because
+        benchmark clients stamp the first token at the first chunk that carries text."""
+        echo = "" if self.is_started else self.text
+        self.is_started = True
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
         self.finish_reason = output.finish_reason
@@ -49,7 +54,7 @@ class ChoiceAssembler:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(output.logprobs)
-        return output.new_text, output.logprobs or ()
+        return echo + output.new_text, output.logprobs or ()
 
     def format_logprobs(self, values: Sequence[TokenLogprobs]) -> CompletionLogprobs | ChatLogprobs:
         """``values`` in this choice's endpoint's shape."""
@@ -98,7 +103,8 @@ def usage_of(choices: Sequence[ChoiceAssembler]) -> Usage:
 def role_chunk(
     response_id: str, created: int, model: str, index: int, include_usage: bool, usage: Usage | None = None
 ) -> dict[str, Any]:
-    """A chat choice's first chunk: the assistant's role, no text yet."""
+    """A chat choice's first chunk: the assistant's role, no text. It is sent with the choice's first token, never
+    before it: vLLM's benchmark client (and others) stamp the first token at the first chunk that carries choices."""
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return _chunk(response_id, True, created, model, choice, include_usage, usage)
 
