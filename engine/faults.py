@@ -8,27 +8,33 @@ fault                      value                            what a real system w
                                                             are reclaimed by preemption in the next steps
 ``swap_cap``               the same                         less pinned host memory: the usable swap pool shrinks, and
                                                             a swap that no longer fits falls back to recompute
-``swap_delay_per_block``   seconds                          a congested host link: each block moved takes longer
-``step_delay``             seconds                          a slow or throttled device: each step takes longer
-``oom_above_batched_tokens``  tokens                        activations that no longer fit: a larger step raises
+``swap_delay_per_block``   seconds, [0, 60]                 a congested host link: each block moved takes longer (one
+                                                            move waits 60 s at most, however many blocks it moves)
+``step_delay``             seconds, [0, 60]                 a slow or throttled device: each step takes longer
+``oom_above_batched_tokens``  tokens, [0, 10**9]            activations that no longer fit: a larger step raises
                                                             ``torch.OutOfMemoryError`` before its forward pass
-``fail_next_steps``        count                            the next N steps raise ``torch.OutOfMemoryError``
-``memory_hog``             bytes                            device memory held outside the engine (CUDA only)
+``fail_next_steps``        count, [0, 10**9]                the next N steps raise ``torch.OutOfMemoryError``
+``memory_hog``             bytes, [0, 2**40]                device memory held outside the engine (CUDA only)
 =========================  ===============================  ==========================================================
 
 Out-of-memory errors are raised from the model runner just before a step's forward pass, where a device that ran
 out of memory raises them, so the engine's recovery (``engine.core.step_back_off``) is the code a real one meets.
-``null`` (or 0) turns a fault off. An update is validated whole before any of it applies.
+``null`` (or 0) turns a fault off. An update is validated whole before any of it applies; every value is finite and
+bounded, so none can overflow a sleep or a timer. The delays sleep in slices of ``DELAY_SLICE_S`` and re-read their
+fault between slices: ``cut_delays`` (from any thread, without the engine's lock) ends one within a slice, so a
+clear or a lease expiry is not stuck behind a long sleep.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
 
+from engine.core.fault_limits import DELAY_SLICE_S, MAX_COUNT, MAX_DELAY_S, MAX_MEMORY_HOG_BYTES, parse_seconds
 from engine.core.outputs import SchedulerOutput
 
 
@@ -100,10 +106,15 @@ class EngineFaults:
 
     # ---- where the runner raises them ----------------------------------------------------------
 
+    def cut_delays(self) -> None:
+        """End the delays now, a sleep in progress included (within a slice). Safe from any thread: two float
+        stores, which the sleeping thread re-reads."""
+        self.step_delay = 0.0
+        self.swap_delay_per_block = 0.0
+
     def before_forward(self, output: SchedulerOutput) -> None:
         """The step's slowness, then its out-of-memory faults."""
-        if self.step_delay:
-            time.sleep(self.step_delay)
+        _sleep_while_wanted(lambda: self.step_delay)
         if self.fail_next_steps > 0:
             self.fail_next_steps -= 1
             raise torch.OutOfMemoryError(f"injected: out of memory in a step of {output.num_batched_tokens} tokens")
@@ -114,20 +125,25 @@ class EngineFaults:
             )
 
     def delay_block_moves(self, num_blocks: int) -> None:
-        if self.swap_delay_per_block and num_blocks:
-            time.sleep(self.swap_delay_per_block * num_blocks)
+        _sleep_while_wanted(lambda: min(MAX_DELAY_S, self.swap_delay_per_block * num_blocks))
+
+
+def _sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
+    """Sleep until ``wanted_s()`` seconds have passed since the call, asking again every slice."""
+    start = time.monotonic()
+    while (left_s := wanted_s() - (time.monotonic() - start)) > 0:
+        time.sleep(min(left_s, DELAY_SLICE_S))
 
 
 def _parse(name: str, value: object) -> object:
     if name in ("kv_cap", "swap_cap"):
         return None if value is None else PoolCap.parse(name, value)
     if name in ("swap_delay_per_block", "step_delay"):
-        if type(value) not in (int, float) or not 0 <= value <= 60:
-            raise ValueError(f"{name} must be a number of seconds in [0, 60], got {value!r}")
-        return float(value)
+        return parse_seconds(name, value)
     if name == "oom_above_batched_tokens" and value is None:
         return None
-    if type(value) is not int or value < 0:
+    maximum = MAX_MEMORY_HOG_BYTES if name == "memory_hog" else MAX_COUNT
+    if type(value) is not int or not 0 <= value <= maximum:
         or_null = " or null" if name == "oom_above_batched_tokens" else ""
-        raise ValueError(f"{name} must be an integer >= 0{or_null}, got {value!r}")
+        raise ValueError(f"{name} must be an integer in [0, {maximum}]{or_null}, got {value!r}")
     return value

@@ -247,6 +247,11 @@ class LLMEngine:
         """Every fault off; returns every fault's value."""
         return self.update_faults(**EngineFaults().to_json())
 
+    def cut_fault_delays(self) -> None:
+        """End the delay faults at once, a sleep in the step in progress included; safe from any thread while a
+        step runs (the one engine method that is)."""
+        self.faults.cut_delays()
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -59,6 +59,11 @@ class EngineClient(Protocol):
         """Change run-time faults (``ValueError`` for a bad one, nothing changed); returns every fault's value."""
         ...
 
+    def cut_fault_delays(self) -> None:
+        """End the delay faults now, a sleep of the step in progress included; the one command safe from any thread
+        while a step runs."""
+        ...
+
     def clear_faults(self) -> dict[str, object]:
         """Every run-time fault off; returns every fault's value."""
         ...

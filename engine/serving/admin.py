@@ -23,6 +23,7 @@ from engine.serving.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 24 * 3600
+MAX_STEPS = 10_000  # one /admin/step call; its handler waits for them all
 
 
 async def run_off_loop(function, *args, **kwargs):
@@ -133,8 +134,8 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
     async def step(request: web.Request) -> web.Response:
         try:
             num_steps = int(request.query.get("num_steps", "1"))
-            if num_steps < 1:
-                raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+            if not 1 <= num_steps <= MAX_STEPS:
+                raise ValueError(f"num_steps must be in [1, {MAX_STEPS}], got {num_steps}")
             await async_engine.step(num_steps)
         except ValueError as error:
             raise ApiError(400, str(error), "num_steps") from None

@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from engine.core.fault_limits import parse_seconds
 from engine.core.interface import EngineClient, Prompt
 from engine.core.outputs import EngineSnapshot, RemainingWork, RequestOutput
 from engine.core.request import Request
@@ -219,9 +220,7 @@ class AsyncEngine:
         null or 0 ends a freeze). ``ValueError`` for a bad one, and then nothing changes; no changes to read them.
         Returns every fault's value (``freeze``: the seconds left). Waits for the step in progress."""
         freeze = {"freeze": changes.pop("freeze")} if "freeze" in changes else {}
-        freeze_s = freeze.get("freeze") or 0
-        if type(freeze_s) not in (int, float) or freeze_s < 0:
-            raise ValueError(f"freeze must be a number of seconds >= 0 or null, got {freeze_s!r}")
+        freeze_s = parse_seconds("freeze", freeze.get("freeze") or 0)
         with self._engine_lock:
             faults = self.engine.update_faults(**changes)
             self._publish(self.engine.snapshot())
@@ -230,7 +229,9 @@ class AsyncEngine:
         return {**faults, "freeze": self.freeze_remaining_s}
 
     def clear_faults(self) -> dict[str, object]:
-        """Every fault off, the freeze ended; returns every fault's value."""
+        """Every fault off, the freeze ended; returns every fault's value. A delay in progress ends within a slice,
+        before the step it slows finishes."""
+        self.engine.cut_fault_delays()
         with self._engine_lock:
             faults = self.engine.clear_faults()
             self._publish(self.engine.snapshot())

@@ -101,7 +101,9 @@ def test_echo_returns_the_prompt_before_the_output_in_the_first_tokens_chunk(ser
                                                           "temperature": 0, "echo": True, "stream": True})  # fmt: skip
     # The echo is not a generated token: it leaves with the first one, one chunk per token as before.
     assert len(chunks) == 4
-    assert chunks[0]["choices"][0]["text"].startswith(PROMPT) and len(chunks[0]["choices"][0]["text"]) > len(PROMPT)
+    first_text = chunks[0]["choices"][0]["text"]
+    assert first_text.startswith(PROMPT)
+    assert len(first_text) > len(PROMPT)
     assert "".join(c["choices"][0]["text"] for c in chunks) == text(complete(server, echo=True, max_tokens=4))
 
 
