@@ -40,7 +40,7 @@ from dashboards.build import boards
 from dashboards.render import render
 from dashboards.slo import load_spec
 from loadgen.report import write_report
-from loadgen.results import RunResult
+from loadgen.results import RunResult, replacing, write_text_atomic
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
 REPORT_BOARDS = ("kvstorm-slo", "kvstorm-engine")
@@ -120,20 +120,8 @@ def run_experiment_file(
         for keeper in state.lease_keepers.values():
             keeper.stop()
     verdict = build_verdict(journal, state, configuration)
-    (results_dir / "journal.json").write_text(json.dumps(journal, indent=1, default=str))
-    (results_dir / "verdict.md").write_text(to_markdown(verdict) + "\n")
     main = state.main_load()
-    if main is not None and main.result is not None:
-        main.result.fault_windows = list(state.fault_windows)
-        main.result.write(results_dir / "load.json")
-        dashboards = "" if prometheus_url is None else _render_dashboards(prometheus_url, state, results_dir, console)
-        write_report(
-            main.result,
-            results_dir / "report.html",
-            bucket_s=REPORT_BUCKET_S,
-            title=f"kvstorm chaos run: {verdict.title}",
-            heading_html=to_html(verdict) + dashboards,
-        )
+    write_error = _write_results(verdict, journal, state, results_dir, prometheus_url, console)
     print_verdict(verdict, console)
     state.emit(
         "verdict",
@@ -142,8 +130,45 @@ def run_experiment_file(
         exit_code=verdict.exit_code,
         results_dir=str(results_dir),
         fault_windows=[window.model_dump() for window in verdict.fault_windows],
+        # None when every file was written; else what failed, so a follower hears the verdict and why a file is missing.
+        write_error=write_error,
     )
     return ExperimentRun(verdict, journal, results_dir, None if main is None else main.result)
+
+
+def _write_results(
+    verdict: Verdict,
+    journal: dict[str, Any],
+    state: RunState,
+    results_dir: Path,
+    prometheus_url: str | None,
+    console: Console,
+) -> str | None:
+    """The run's files, each written atomically (a reader sees a whole file or none); a file that cannot be written
+    costs the verdict nothing: the error is returned for the verdict event instead of raised past it."""
+    try:
+        write_text_atomic(results_dir / "journal.json", json.dumps(journal, indent=1, default=str))
+        write_text_atomic(results_dir / "verdict.md", to_markdown(verdict) + "\n")
+        main = state.main_load()
+        if main is not None and main.result is not None:
+            main.result.fault_windows = list(state.fault_windows)
+            main.result.write(results_dir / "load.json")
+            dashboards = ""
+            if prometheus_url is not None:
+                dashboards = _render_dashboards(prometheus_url, state, results_dir, console)
+            with replacing(results_dir / "report.html") as report:
+                write_report(
+                    main.result,
+                    report,
+                    bucket_s=REPORT_BUCKET_S,
+                    title=f"kvstorm chaos run: {verdict.title}",
+                    heading_html=to_html(verdict) + dashboards,
+                )
+    except OSError as error:
+        why = f"results not written in {results_dir}: {type(error).__name__}: {error}"
+        console.print(why, style="red", markup=False)
+        return why
+    return None
 
 
 def _render_dashboards(prometheus_url: str, state: RunState, results_dir: Path, console: Console) -> str:
@@ -156,7 +181,7 @@ def _render_dashboards(prometheus_url: str, state: RunState, results_dir: Path, 
         why = f"no dashboards: Prometheus at {prometheus_url} did not answer ({error})"
         console.print(why, style="yellow", markup=False)
         return f"<p>{html.escape(why)}</p>"
-    (results_dir / "dashboards.html").write_text(page)
+    write_text_atomic(results_dir / "dashboards.html", page)
     return (
         "<p><a href='dashboards.html'>The SLO and engine dashboards over this run</a> "
         f"(from Prometheus at {html.escape(prometheus_url)}; the panels of Grafana's kvstorm dashboards).</p>"

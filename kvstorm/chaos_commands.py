@@ -86,6 +86,18 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-run-s", type=float, default=1800.0, help="a run that lasts longer is stopped")
     serve.add_argument("--lease-s", type=float, default=30.0, help="the engine clears unrenewed faults after this")
     serve.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV), help=PROMETHEUS_HELP)
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="where a run's files (workload jsonl:path=, arrival trace:path=) resolve; without it they are refused",
+    )
+    serve.add_argument(
+        "--server-command",
+        default=None,
+        help="the command kill-and-restart starts, kills and restarts the target with (it must serve at --target); "
+        "without it that experiment is refused. Never taken from a request",
+    )
     serve.set_defaults(handler=run_controller)
 
 
@@ -140,6 +152,8 @@ def run_controller(args: argparse.Namespace) -> int:
         max_run_s=args.max_run_s,
         lease_s=args.lease_s,
         prometheus_url=args.prometheus_url,
+        data_dir=args.data_dir,
+        server_command=args.server_command,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0

@@ -4,6 +4,10 @@ Prometheus series. Reading a file back validates it, so the report can be re-ren
 from __future__ import annotations
 
 import json
+import os
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -60,7 +64,7 @@ class RunResult(BaseModel):
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.model_dump_json(indent=1))
+        write_text_atomic(path, self.model_dump_json(indent=1))
 
     @classmethod
     def read(cls, path: Path) -> RunResult:
@@ -70,3 +74,24 @@ class RunResult(BaseModel):
 def read_fault_windows(path: Path) -> list[FaultWindow]:
     """A JSON list of ``{"name", "start_unix", "end_unix"}`` objects."""
     return [FaultWindow.model_validate(item) for item in json.loads(path.read_text())]
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write in full; it becomes ``path`` (``os.replace``) only when the block
+    ends without an error, so a reader sees the old file or the whole new one, never a partial one. On an error the
+    temporary file goes and ``path`` is left as it was."""
+    # The same directory: os.replace is atomic only within one file system. A fresh name the caller creates
+    # (not mkstemp's 0600 file), so the result gets the usual permissions.
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        yield temporary
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path.write_text(text)``, atomically (``replacing``)."""
+    with replacing(path) as temporary:
+        temporary.write_text(text)

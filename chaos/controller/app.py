@@ -1,7 +1,10 @@
 """The controller's HTTP API (FastAPI): experiments, runs and their live events, ad-hoc faults, metrics.
 
 Everything but ``/health``, ``/metrics``, ``/docs`` and ``/openapi.json`` needs ``Authorization: Bearer <controller
-token>``. The engine's admin token stays in the controller: a caller of ``PUT /faults`` never sees or sends it.
+token>``, checked before a body is read; a body is at most 64 KiB. The engine's admin token stays in the controller:
+a caller of ``PUT /faults`` never sees or sends it. A run's overrides are typed and bounded per parameter (``GET
+/experiments`` gives each schema); nothing a request carries is executed, resolved from the environment, or read as
+a path outside the operator's ``--data-dir``: the kill-and-restart command is the operator's ``--server-command``.
 Ad-hoc faults carry the engine's lease, renewed while the controller runs (``LeaseKeeper``): a controller that dies
 leaves no fault behind for longer than ``lease_s``.
 """
@@ -22,8 +25,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
+from chaos.controller.guard import MAX_BODY_BYTES, Guard
 from chaos.controller.metrics import ControllerMetrics
-from chaos.controller.runs import RunConflict, RunManager
+from chaos.controller.parameters import ParameterRefused, describe
+from chaos.controller.runs import RunConflict, RunManager, RunStartFailed
 from chaos.engine_admin import AdminError, EngineAdmin, LeaseKeeper
 
 EVENT_POLL_S = 0.2
@@ -41,6 +46,11 @@ class ControllerConfig:
     lease_s: float = 30.0
     # Each run's report links the dashboards drawn from this Prometheus over the run.
     prometheus_url: str | None = None
+    # Where a run's file parameters (jsonl:path=, trace:path=) may resolve; None: they are refused.
+    data_dir: Path | None = None
+    # The command kill-and-restart starts (and kills) the target with: the operator's, never a request's.
+    server_command: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.admin_token or not self.controller_token:
@@ -66,6 +76,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
         metrics,
         config.max_run_s,
         config.prometheus_url,
+        data_dir=config.data_dir,
+        operator_values={} if config.server_command is None else {"server_command": config.server_command},
     )
     admin = EngineAdmin(config.target_url, config.admin_token)
     ad_hoc: dict[str, LeaseKeeper] = {}
@@ -84,6 +96,9 @@ def create_app(config: ControllerConfig) -> FastAPI:
         description=__doc__,
         lifespan=lifespan,
     )
+    # Outermost: the token and the body's size are checked before FastAPI reads the body (the dependency below
+    # stays for the OpenAPI page's "Authorize" and as a second check).
+    app.add_middleware(Guard, token=config.controller_token, max_body_bytes=config.max_body_bytes)
 
     def authorized(credentials: Credentials) -> None:
         given = credentials.credentials if credentials is not None else ""
@@ -91,6 +106,10 @@ def create_app(config: ControllerConfig) -> FastAPI:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "needs 'Authorization: Bearer <controller token>'")
 
     guarded = [Depends(authorized)]
+
+    @app.exception_handler(ParameterRefused)
+    async def parameter_refused(_: Request, error: ParameterRefused) -> JSONResponse:
+        return JSONResponse({"detail": str(error), "parameter": error.name, "reason": error.reason}, status_code=400)
 
     @app.exception_handler(AdminError)
     async def engine_refused(_: Request, error: AdminError) -> JSONResponse:
@@ -109,7 +128,14 @@ def create_app(config: ControllerConfig) -> FastAPI:
     @app.get("/experiments", dependencies=guarded)
     async def experiments() -> list[dict[str, Any]]:
         return [
-            {"name": e.name, "title": e.title, "description": e.description, "parameters": e.parameters}
+            {
+                "name": e.name,
+                "title": e.title,
+                "description": e.description,
+                "parameters": e.parameters,
+                "schema": describe(e.parameters),
+                "operator_parameters": list(e.operator_parameters),
+            }
             for e in runs.library.values()
         ]
 
@@ -119,10 +145,10 @@ def create_app(config: ControllerConfig) -> FastAPI:
             raise HTTPException(404, f"no experiment {body.experiment!r}; GET /experiments lists them")
         try:
             run = await asyncio.to_thread(runs.start, body.experiment, body.overrides)
-        except ValueError as error:
-            raise HTTPException(400, str(error)) from None
         except RunConflict as error:
             raise HTTPException(409, str(error)) from None
+        except RunStartFailed as error:
+            raise HTTPException(500, str(error)) from None
         return run.summary()
 
     @app.get("/runs", dependencies=guarded)

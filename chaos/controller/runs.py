@@ -28,16 +28,19 @@ from typing import Any
 import yaml
 
 from chaos.controller.metrics import ControllerMetrics
+from chaos.controller.parameters import OPERATOR_PARAMETERS, SCHEMAS, ParameterRefused, check_overrides
 from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.runner import EXPERIMENTS_DIR
 
-# Set by the controller, not by the caller: the run is against the controller's own target.
-RESERVED_PARAMETERS = ("target_url", "model")
 STOP_GRACE_S = 60.0
 
 
 class RunConflict(Exception):
     """Another run is active."""
+
+
+class RunStartFailed(Exception):
+    """The run's folder or its child process could not be made; the run is recorded as ``error``, the slot free."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,10 @@ class Experiment:
     path: Path
     title: str
     description: str
-    # The configuration's values an override may change, with the defaults the file gives.
+    # The configuration's values an override may change (those with a schema), with the defaults the file gives.
     parameters: dict[str, Any]
+    # The configuration's values only the operator gives (a command to run): from the controller's own flags.
+    operator_parameters: tuple[str, ...] = ()
 
 
 @dataclass
@@ -65,6 +70,8 @@ class Run:
     events: list[dict[str, Any]] = field(default_factory=list)
     process: subprocess.Popen | None = None
     stop_requested: str | None = None
+    # Why the run ended in "error" when it never started (its folder or its process could not be made).
+    error: str | None = None
 
     @property
     def is_active(self) -> bool:
@@ -80,6 +87,7 @@ class Run:
             "started_unix": self.started_unix,
             "ended_unix": self.ended_unix,
             "verdict": self.verdict,
+            "error": self.error,
             "num_events": len(self.events),
         }
 
@@ -88,13 +96,15 @@ def load_library() -> dict[str, Experiment]:
     library = {}
     for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
+        configuration = data.get("configuration", {})
         parameters = {
             key: value.get("default") if isinstance(value, dict) else value
-            for key, value in data.get("configuration", {}).items()
-            if key not in RESERVED_PARAMETERS
+            for key, value in configuration.items()
+            if key in SCHEMAS
         }
+        operator = tuple(key for key in configuration if key in OPERATOR_PARAMETERS)
         description = " ".join(data["description"].split())
-        library[path.stem] = Experiment(path.stem, path, data["title"], description, parameters)
+        library[path.stem] = Experiment(path.stem, path, data["title"], description, parameters, operator)
     return library
 
 
@@ -108,7 +118,12 @@ class RunManager:
         metrics: ControllerMetrics,
         max_run_s: float,
         prometheus_url: str | None = None,
+        data_dir: Path | None = None,
+        operator_values: Mapping[str, str] | None = None,
     ) -> None:
+        """``data_dir``: where file parameters (``jsonl:path=``, ``trace:path=``) may resolve; None refuses them.
+        ``operator_values``: the operator's values of ``OPERATOR_PARAMETERS`` (the kill-and-restart server command);
+        an experiment that needs one the operator did not give is refused."""
         self.target_url = target_url
         self.model = model
         self.admin_token = admin_token
@@ -116,6 +131,8 @@ class RunManager:
         self.metrics = metrics
         self.max_run_s = max_run_s
         self.prometheus_url = prometheus_url
+        self.data_dir = data_dir
+        self.operator_values = dict(operator_values or {})
         self.library = load_library()
         self.runs: dict[str, Run] = {}
         self._lock = threading.Lock()
@@ -123,25 +140,46 @@ class RunManager:
     # ---- commands ------------------------------------------------------------------------------
 
     def start(self, name: str, overrides: Mapping[str, Any]) -> Run:
-        """``KeyError`` for an unknown experiment, ``ValueError`` for an unknown or reserved parameter,
-        ``RunConflict`` while another run is active; nothing starts in those cases."""
+        """``KeyError`` for an unknown experiment, ``ParameterRefused`` for a value a request may not give,
+        ``RunConflict`` while another run is active: nothing starts in those cases. ``RunStartFailed`` when its
+        folder or process cannot be made: the run is recorded as failed and the slot is free again."""
         experiment = self.library[name]
-        unknown = set(overrides) - set(experiment.parameters)
-        if unknown:
-            raise ValueError(
-                f"unknown parameters {sorted(unknown)} for {name}; parameters: {', '.join(experiment.parameters)}"
-            )
+        variables = check_overrides(name, experiment.parameters, overrides, self.data_dir)
+        variables.update(self._operator_values(experiment))
         with self._lock:
             if any(run.is_active for run in self.runs.values()):
                 raise RunConflict("another run is active: stop it (DELETE /runs/{id}) or wait for its verdict")
             run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
             run = Run(run_id, name, dict(overrides), self.results_dir / run_id)
             self.runs[run_id] = run
+        try:
+            self._spawn(run, experiment, variables)
+        except Exception as error:
+            # Whatever failed (mkdir, open, Popen), the run must end, or every later POST /runs is a 409.
+            self._end(run, "error", error=f"the run did not start: {type(error).__name__}: {error}")
+            raise RunStartFailed(f"run {run.id} did not start: {run.error}") from error
+        threading.Thread(target=self._follow, args=(run,), name=f"run-{run_id}", daemon=True).start()
+        threading.Thread(target=self._watch_duration, args=(run,), name=f"watch-{run_id}", daemon=True).start()
+        return run
+
+    def _operator_values(self, experiment: Experiment) -> dict[str, Any]:
+        """The operator's values an experiment needs (its server command): from the controller's flags only."""
+        values = {}
+        for key in experiment.operator_parameters:
+            value = self.operator_values.get(key)
+            if value is None:
+                flag = OPERATOR_PARAMETERS[key]
+                why = f"{experiment.name} needs the operator's {key}: start the controller with {flag}"
+                raise ParameterRefused(key, why)
+            values[key] = value
+        return values
+
+    def _spawn(self, run: Run, experiment: Experiment, variables: Mapping[str, Any]) -> None:
         run.results_dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "kvstorm", "chaos", "run", str(experiment.path), "--events",
             "--target", self.target_url, "--model", self.model, "--results-dir", str(run.results_dir),
-            *(f"--var={key}={json.dumps(value)}" for key, value in overrides.items()),
+            *(f"--var={key}={json.dumps(value, default=str)}" for key, value in variables.items()),
             *(["--prometheus-url", self.prometheus_url] if self.prometheus_url else []),
         ]  # fmt: skip
         with open(run.results_dir / "run.log", "wb") as log:
@@ -152,9 +190,6 @@ class RunManager:
                 env={**os.environ, ADMIN_TOKEN_ENV: self.admin_token},
                 preexec_fn=_terminate_with_parent,
             )
-        threading.Thread(target=self._follow, args=(run,), name=f"run-{run_id}", daemon=True).start()
-        threading.Thread(target=self._watch_duration, args=(run,), name=f"watch-{run_id}", daemon=True).start()
-        return run
 
     def stop(self, run: Run, reason: str = "stopped by request") -> None:
         """SIGTERM (the child runs its rollbacks), then wait; the engine's faults are cleared here too."""
@@ -196,11 +231,16 @@ class RunManager:
             run.events.append(event)
         run.process.wait()
         if run.verdict is not None:
-            run.status = "stopped" if run.stop_requested else run.verdict["status"]
+            self._end(run, "stopped" if run.stop_requested else run.verdict["status"], count=False)
         else:
-            run.status = "stopped" if run.stop_requested else "error"
-            self.metrics.finish(run.id, run.experiment, run.status)
-        end = {"ts": time.time(), "type": "end", "status": run.status, "reason": run.stop_requested}
+            self._end(run, "stopped" if run.stop_requested else "error")
+
+    def _end(self, run: Run, status: str, *, count: bool = True, error: str | None = None) -> None:
+        """The run's last event; ``count``: the metrics have not counted its result yet (no verdict event did)."""
+        run.status, run.error = status, error
+        if count:
+            self.metrics.finish(run.id, run.experiment, status)
+        end = {"ts": time.time(), "type": "end", "status": status, "reason": run.stop_requested or error}
         run.events.append(end)
         run.ended_unix = end["ts"]
 

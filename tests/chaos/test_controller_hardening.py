@@ -1,0 +1,202 @@
+"""The chaos controller tried as an attacker would, over real HTTP, as its own process: nothing a request carries is
+executed, resolved from the environment or read outside the operator's data directory; every value is bounded; the
+token is checked before a body is parsed and a body is bounded; a run that cannot start frees the slot; results are
+written whole or not at all. No engine is needed: every request here is refused, or fails, before a run starts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from chaos.controller.parameters import OPERATOR_PARAMETERS, RESERVED_PARAMETERS, SCHEMAS, check_overrides
+from chaos.controller.runs import load_library
+from chaos.processes import ManagedServer, free_port
+from chaos.runner import EXPERIMENTS_DIR
+from loadgen.results import replacing, write_text_atomic
+from tests.chaos.test_experiments import SHORT
+
+TOKEN = "hardening-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+WRONG = {"Authorization": "Bearer wrong"}
+
+
+@contextmanager
+def controller(workdir: Path, results_dir: Path, *options: str) -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # A target nobody serves: every request here is refused or fails before a run would reach it.
+    command = ["kvstorm", "chaos", "serve", "--target", f"http://127.0.0.1:{free_port()}", "--port", str(port),
+               "--results-dir", str(results_dir), "--max-run-s", "60", *options]  # fmt: skip
+    env = {"KVSTORM_CHAOS_TOKEN": TOKEN, "KVSTORM_ADMIN_TOKEN": "engine-token-not-used-here"}
+    process = ManagedServer(command, f"{url}/health", workdir / "controller.log", env=env)
+    process.start()
+    try:
+        yield url
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """No data directory, no server command: the defaults."""
+    workdir = tmp_path_factory.mktemp("plain")
+    with controller(workdir, workdir / "results") as url:
+        yield url, workdir
+
+
+@pytest.fixture(scope="module")
+def with_data(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """A data directory; the results directory under a regular file, so no run's folder can be made (the tests run
+    as root: permissions would not stop it)."""
+    workdir = tmp_path_factory.mktemp("with-data")
+    data = workdir / "data"
+    data.mkdir()
+    (data / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
+    (workdir / "elsewhere.jsonl").write_text('{"prompt": "secret"}\n')
+    (data / "link.jsonl").symlink_to(workdir / "elsewhere.jsonl")
+    (workdir / "not-a-directory").write_text("")
+    with controller(workdir, workdir / "not-a-directory" / "results", "--data-dir", str(data)) as url:
+        yield url, workdir
+
+
+def post_run(url: str, experiment: str = "burst-with-vram-cap", headers: dict = AUTH, **overrides) -> requests.Response:
+    return requests.post(f"{url}/runs", json={"experiment": experiment, "overrides": overrides}, headers=headers,
+                         timeout=30)  # fmt: skip
+
+
+def refused(response: requests.Response, parameter: str, *words: str) -> None:
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert body["parameter"] == parameter, body
+    for word in words:
+        assert word in body["reason"], body
+
+
+def assert_nothing_ran(url: str, results_dir: Path) -> None:
+    assert requests.get(f"{url}/runs", headers=AUTH, timeout=30).json() == []
+    assert not results_dir.exists() or not any(results_dir.iterdir()), "no run's folder"
+
+
+def test_a_command_or_a_value_from_the_environment_is_refused_and_runs_nothing(plain):
+    url, workdir = plain
+    marker = workdir / "pwned.txt"
+    attack = post_run(url, "kill-and-restart", server_command=f'sh -c "env > {marker}"')
+    refused(attack, "server_command", "--server-command")
+    # Without the operator's command, the experiment that needs one does not run either.
+    refused(post_run(url, "kill-and-restart"), "server_command", "--server-command")
+    env_value = {"type": "env", "key": "KVSTORM_CHAOS_TOKEN"}
+    refused(post_run(url, duration_s=env_value), "duration_s", "no object")
+    refused(post_run(url, workload=env_value), "workload", "no object")
+    refused(post_run(url, arrival=["poisson:rate=1"]), "arrival", "no object")
+    refused(post_run(url, arrival="poisson:rate=${server_command}"), "arrival")
+    refused(post_run(url, target_url="http://elsewhere"), "target_url", "reserved")
+    time.sleep(1.0)  # what a started child would have had time to do
+    assert not marker.exists()
+    assert_nothing_ran(url, workdir / "results")
+
+
+def test_files_resolve_only_under_the_operator_data_directory(plain, with_data):
+    url, workdir = plain
+    refused(post_run(url, workload="jsonl:path=/etc/passwd"), "workload", "--data-dir")
+    refused(post_run(url, arrival="trace:path=/etc/passwd"), "arrival", "--data-dir")
+    assert_nothing_ran(url, workdir / "results")
+
+    url, workdir = with_data
+    refused(post_run(url, workload="jsonl:path=/etc/passwd"), "workload", "relative to the data directory")
+    refused(post_run(url, workload="jsonl:path=../elsewhere.jsonl"), "workload", "no '..'")
+    refused(post_run(url, workload="jsonl:path=link.jsonl"), "workload", "no file")
+    refused(post_run(url, arrival="trace:path=/etc/passwd"), "arrival", "relative to the data directory")
+    assert requests.get(f"{url}/runs", headers=AUTH, timeout=30).json() == []
+
+
+def test_rates_lengths_and_durations_are_bounded(plain):
+    url, workdir = plain
+    refused(post_run(url, arrival="poisson:rate=1e9"), "arrival", "200")
+    refused(post_run(url, arrival="onoff:base=1,burst=1e6,burst_s=5,period_s=30"), "arrival", "200")
+    refused(post_run(url, arrival="poisson:rate=inf"), "arrival")
+    refused(post_run(url, duration_s=1e9), "duration_s", "3600")
+    refused(post_run(url, output_len="fixed:100000000"), "output_len", "32768")
+    refused(post_run(url, cap_fraction=2), "cap_fraction", "[0, 1]")
+    refused(post_run(url, baseline_requests=True), "baseline_requests", "number")
+    assert_nothing_ran(url, workdir / "results")
+    library = {e["name"]: e for e in requests.get(f"{url}/experiments", headers=AUTH, timeout=30).json()}
+    assert library["burst-with-vram-cap"]["schema"]["arrival"]["max_rate"] == 200
+    assert "server_command" not in library["kill-and-restart"]["parameters"]
+    assert library["kill-and-restart"]["operator_parameters"] == ["server_command"]
+
+
+def test_the_token_is_checked_before_the_body_and_the_body_is_bounded(plain):
+    url, workdir = plain
+    big = {"experiment": "burst-with-vram-cap", "overrides": {"workload": "x" * 100_000}}
+    assert requests.post(f"{url}/runs", json=big, headers=AUTH, timeout=30).status_code == 413
+    assert requests.post(f"{url}/runs", json=big, headers=WRONG, timeout=30).status_code == 401
+    assert requests.post(f"{url}/runs", json=big, timeout=30).status_code == 401
+    # A malformed body without the token is never parsed: 401, not 422.
+    garbage = requests.post(f"{url}/runs", data=b"{not json", headers={**WRONG, "Content-Type": "application/json"},
+                            timeout=30)  # fmt: skip
+    assert garbage.status_code == 401
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"experiment": "burst-with-vram-cap", "overrides": {"workload": "'
+        for _ in range(100):
+            yield b"x" * 1024
+        yield b'"}}'
+
+    chunked = requests.post(f"{url}/runs", data=chunks(), headers={**AUTH, "Content-Type": "application/json"},
+                            timeout=30)  # fmt: skip
+    assert chunked.status_code == 413
+    assert_nothing_ran(url, workdir / "results")
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_a_run_that_cannot_start_is_an_error_and_frees_the_slot(with_data):
+    url, _ = with_data
+    # A file under the data directory is taken (resolved there); the run then fails to make its folder.
+    first = post_run(url, workload="jsonl:path=prompts.jsonl", **SHORT)
+    assert first.status_code == 500, first.text
+    assert "did not start" in first.json()["detail"]
+    (run,) = requests.get(f"{url}/runs", headers=AUTH, timeout=30).json()
+    assert run["status"] == "error"
+    assert run["ended_unix"] is not None
+    assert "did not start" in run["error"]
+    second = post_run(url, **SHORT)
+    assert second.status_code == 500, "the slot is free: the next start is tried, not refused with a 409"
+    assert [r["status"] for r in requests.get(f"{url}/runs", headers=AUTH, timeout=30).json()] == ["error", "error"]
+
+
+def test_every_library_parameter_has_a_schema_and_its_defaults_pass_it():
+    library = load_library()
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        configuration = yaml.safe_load(path.read_text())["configuration"]
+        uncovered = set(configuration) - set(SCHEMAS) - set(RESERVED_PARAMETERS) - set(OPERATOR_PARAMETERS)
+        assert not uncovered, f"{path.name}: no schema for {sorted(uncovered)}"
+        parameters = library[path.stem].parameters
+        assert check_overrides(path.stem, parameters, parameters, None) == parameters
+    vram = library["burst-with-vram-cap"].parameters
+    assert check_overrides("burst-with-vram-cap", vram, SHORT, None) == SHORT
+
+
+def write_half_then_die(path: Path) -> None:
+    with replacing(path) as temporary:
+        temporary.write_text("half of the sec")
+        raise RuntimeError("the writer died midway")
+
+
+def test_the_atomic_writer_leaves_the_old_file_or_the_whole_new_one(tmp_path):
+    path = tmp_path / "verdict.md"
+    write_text_atomic(path, "first\n")
+    with pytest.raises(RuntimeError, match="midway"):
+        write_half_then_die(path)
+    assert path.read_text() == "first\n"
+    write_text_atomic(path, "second\n")
+    assert path.read_text() == "second\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["verdict.md"], "no temporary file left behind"
+    with pytest.raises(NotADirectoryError):
+        write_text_atomic(tmp_path / "verdict.md" / "inside-a-file", "x")
+    assert [p.name for p in tmp_path.iterdir()] == ["verdict.md"]
