@@ -3,6 +3,7 @@ banned tokens."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,12 +40,26 @@ def sample(
             if p.has_penalties:
                 _penalize(logits[row], p, *tokens_so_far[row])
             if p.logit_bias:
-                ids, biases = zip(*p.logit_bias, strict=True)
-                logits[row, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+                ids, biases = _bias_tensors(p.logit_bias, logits.dtype, logits.device)
+                logits[row, ids] += biases
             if banned_token_ids and banned_token_ids[row]:
-                logits[row, list(banned_token_ids[row])] = float("-inf")
+                logits[row, _id_tensor(banned_token_ids[row], logits.device)] = float("-inf")
     greedy = argmax(logits).tolist()
     return [greedy[i] if p.is_greedy else _sample_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
+
+
+# A request's bias and banned ids are the same at every step: their tensors are built once, not once per token.
+@functools.lru_cache(maxsize=1024)
+def _bias_tensors(
+    logit_bias: tuple[tuple[int, float], ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, biases = zip(*logit_bias, strict=True)
+    return torch.tensor(ids, device=device), torch.tensor(biases, dtype=dtype, device=device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _id_tensor(token_ids: frozenset[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(sorted(token_ids), device=device)
 
 
 def _penalize(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], output: Sequence[int]) -> None:

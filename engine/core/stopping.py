@@ -52,13 +52,25 @@ def releasable_text_end(text: str, stop_strings: tuple[str, ...], finished: bool
     that is the beginning of a stop string."""
     if finished or not stop_strings:
         return len(text)
-    longest = 0
-    for stop in stop_strings:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
-                break
-    return len(text) - longest
+    return len(text) - max(_longest_partial_match(text, stop) for stop in stop_strings)
+
+
+def _longest_partial_match(text: str, stop: str) -> int:
+    """The length of the longest end of ``text`` that begins ``stop`` without completing it, in time linear in
+    ``len(stop)`` (Knuth-Morris-Pratt over the last ``len(stop) - 1`` characters of the text): a request's stop
+    strings cost the same at every token, whatever their length."""
+    border = [0] * len(stop)  # border[i]: the longest proper prefix of stop[: i + 1] that also ends it
+    for i in range(1, len(stop)):
+        k = border[i - 1]
+        while k and stop[i] != stop[k]:
+            k = border[k - 1]
+        border[i] = k + (stop[i] == stop[k])
+    matched = 0  # the tail is shorter than stop, so it never matches whole
+    for char in text[len(text) - len(stop) + 1 :] if len(stop) <= len(text) else text:
+        while matched and char != stop[matched]:
+            matched = border[matched - 1]
+        matched += char == stop[matched]
+    return matched
 
 
 def _first_stop_string(text: str, stop_strings: tuple[str, ...], num_new_chars: int) -> tuple[int, str] | None:

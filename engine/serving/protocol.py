@@ -19,10 +19,17 @@ from pydantic.json_schema import models_json_schema
 
 from engine.core.sampling_params import SamplingParams
 
+# Caps that keep one request from slowing its neighbours: its per-token work (bias, banned ids, stop matching) and
+# its submission stay small whatever it asks.
 MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # n: choices per prompt
+MAX_SEQUENCES = 128  # prompts x n: the sequences one request submits
 NonEmptyString = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
@@ -52,8 +59,8 @@ class _SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes sampling reproducible for this request")
-    stop: NonEmptyString | Annotated[list[NonEmptyString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
-        None, description="Strings that end the output (cut before them)"
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"Strings that end the output (cut before them); at most {MAX_STOP_STRINGS}"
     )
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, description="No stop token before this many tokens")
@@ -71,10 +78,12 @@ class _SamplingRequest(_Strict):
         1.0, gt=0, description="vLLM's: divides positive (multiplies negative) logits of prompt and output tokens"
     )
     min_p: float | None = Field(0.0, ge=0, le=1, description="Drop tokens below min_p x the top probability")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
-        None, description="Token id (as a string) -> value added to its logit"
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = Field(None, description=f"Token id (as a string) -> value added to its logit; at most {MAX_LOGIT_BIAS}")
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="Token ids that end the output"
     )
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, description="Token ids that end the output")
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -146,6 +155,11 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported by kvstorm")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs (the prompt's logprobs) is not supported by kvstorm")
+        num_sequences = len(self.prompts()) * self.n
+        if num_sequences > MAX_SEQUENCES:
+            raise ValueError(
+                f"prompts x n = {num_sequences} sequences; one request may ask for at most {MAX_SEQUENCES}"
+            )
         return self
 
     def num_logprobs(self) -> int | None:

@@ -54,6 +54,11 @@ from engine.serving.streaming import (
 
 logger = logging.getLogger(__name__)
 IGNORED_FIELDS_HEADER = "X-Kvstorm-Ignored-Fields"
+# Unknown fields are dropped and named, within bounds: more or longer ones are a 400, and the set of names already
+# logged (so each is logged once) stops growing at its cap.
+MAX_UNKNOWN_FIELDS = 32
+MAX_UNKNOWN_FIELD_CHARS = 64
+MAX_LOGGED_FIELD_NAMES = 256
 _ignored_fields_logged: set[str] = set()
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
@@ -68,12 +73,16 @@ class ServerConfig:
     admin_token: str | None = None
     # Refuse unknown request fields (400) instead of ignoring them and naming them in IGNORED_FIELDS_HEADER.
     strict_api: bool = False
+    # A stream whose client reads nothing for this long is closed (its requests abort): a write never waits forever.
+    write_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
+        if self.write_timeout_s <= 0:
+            raise ValueError(f"write_timeout_s must be > 0, got {self.write_timeout_s}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin_token must not be empty")
 
@@ -175,12 +184,25 @@ async def _read_body(request: web.Request, model: type[BaseModel]) -> tuple[Base
             unknown = [e["loc"] for e in error.errors() if e["type"] == "extra_forbidden"]
             if request.app[SERVER_CONFIG].strict_api or not unknown:
                 raise api_error_from_validation(error) from None
+            _check_unknown_fields(unknown, len(ignored))
             try:
                 ignored.extend(_drop(data, loc) for loc in unknown)
             except (KeyError, IndexError, TypeError):  # a location inside a union's branch: refuse rather than guess
                 raise api_error_from_validation(error) from None
         except RecursionError:
             raise ApiError(400, "request body is nested too deeply") from None
+
+
+def _check_unknown_fields(unknown: Sequence[tuple], num_dropped: int) -> None:
+    if num_dropped + len(unknown) > MAX_UNKNOWN_FIELDS:
+        raise ApiError(400, f"more than {MAX_UNKNOWN_FIELDS} unknown fields; see GET /openapi.json for the known ones")
+    for loc in unknown:
+        name = str(loc[-1])
+        if len(name) > MAX_UNKNOWN_FIELD_CHARS:
+            raise ApiError(
+                400,
+                f"unknown field {name[:MAX_UNKNOWN_FIELD_CHARS]!r}... (name over {MAX_UNKNOWN_FIELD_CHARS} characters)",
+            )
 
 
 def _drop(data: dict, loc: tuple) -> str:
@@ -190,7 +212,7 @@ def _drop(data: dict, loc: tuple) -> str:
         holder = holder[part]
     del holder[loc[-1]]
     name = ".".join(str(part) for part in loc if not isinstance(part, int))
-    if name not in _ignored_fields_logged:
+    if name not in _ignored_fields_logged and len(_ignored_fields_logged) < MAX_LOGGED_FIELD_NAMES:
         _ignored_fields_logged.add(name)
         logger.warning("ignoring the unknown request field %r (--strict-api refuses it)", name)
     return name
@@ -212,19 +234,9 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     prompts = body.prompts()
-    echoes = [_prompt_text(async_engine, prompt) if body.echo else "" for prompt in prompts]
-    choices = [(prompt, echo) for prompt, echo in zip(prompts, echoes, strict=True) for _ in range(body.n)]
-    return await _generate(
-        request,
-        body,
-        "cmpl",
-        [prompt for prompt, _ in choices],
-        _per_choice(params, len(prompts), body.n),
-        async_engine,
-        ignored,
-        arrival_ts,
-        echoes=[echo for _, echo in choices],
-    )
+    choices = [prompt for prompt in prompts for _ in range(body.n)]
+    params_list = _per_choice(params, len(prompts), body.n)
+    return await _generate(request, body, "cmpl", choices, params_list, async_engine, ignored, arrival_ts)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
@@ -283,18 +295,19 @@ async def _generate(
     async_engine: AsyncEngine,
     ignored: Sequence[str],
     arrival_ts: float,
-    echoes: Sequence[str] | None = None,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     # The same body sent again is the same request: a client that honours a Retry-After resends it unchanged.
     retry_key = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
-    streams = _submit_all(async_engine, response_id, prompts, params_list, retry_key, arrival_ts)
-    tokenizer = async_engine.engine.tokenizer
+    streams = await _submit_all(async_engine, response_id, prompts, params_list, retry_key, arrival_ts)
     is_chat = isinstance(body, ChatCompletionRequest)
-    assemblers = [ChoiceAssembler(tokenizer, is_chat, echo) for echo in echoes or [""] * len(params_list)]
     created = int(time.time())
     model = request.app[SERVER_CONFIG].served_model_name
     try:
+        # Decoded only now: the engine checked every token id of the prompts before it took them.
+        echo = isinstance(body, CompletionRequest) and body.echo
+        echoes = [_prompt_text(async_engine, prompt) if echo else "" for prompt in prompts]
+        assemblers = [ChoiceAssembler(async_engine.engine.tokenizer, is_chat, text) for text in echoes]
         if body.stream:
             return await _stream(request, body, response_id, created, model, streams, assemblers, ignored)
         async for index, output in _merge(streams):
@@ -311,7 +324,7 @@ async def _generate(
                 async_engine.abort(stream.request_id)
 
 
-def _submit_all(
+async def _submit_all(
     async_engine: AsyncEngine,
     response_id: str,
     prompts: Sequence[str | list[int]],
@@ -319,12 +332,15 @@ def _submit_all(
     retry_key: str,
     arrival_ts: float,
 ) -> list[RequestStream]:
-    """All prompts or none: a refusal of one aborts those already queued."""
+    """All prompts or none: a refusal of one aborts those already queued. Each submission (tokenizing, the
+    admission forecast) is followed by a yield to the event loop, so many sequences in one request do not stall
+    other requests' streams and probes."""
     streams: list[RequestStream] = []
     try:
         for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
             request_id, request_retry_key = f"{response_id}-{index}", f"{retry_key}-{index}"
             streams.append(async_engine.submit(prompt, params, request_id, request_retry_key, arrival_ts))
+            await asyncio.sleep(0)
     except (ValueError, AdmissionRefused) as error:
         for stream in streams:
             async_engine.abort(stream.request_id)
@@ -342,20 +358,22 @@ def _submit_all(
 
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(choice index, output) from all streams as they come; ``EngineFailure`` from any ends it."""
+    """(choice index, output) from all streams as they come; ``EngineFailure`` from any ends it. The hand-off holds
+    one item: a consumer that cannot write leaves the outputs in the streams, whose back-pressure (the slow-client
+    abort) then applies to every choice as it does to a lone one."""
     if len(streams) == 1:
         async for output in streams[0]:
             yield 0, output
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | EngineFailure | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, RequestOutput | EngineFailure | None]] = asyncio.Queue(maxsize=1)
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                queue.put_nowait((index, output))
-            queue.put_nowait((index, None))
+                await queue.put((index, output))
+            await queue.put((index, None))
         except EngineFailure as failure:
-            queue.put_nowait((index, failure))
+            await queue.put((index, failure))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -393,9 +411,15 @@ async def _stream(
     )
     await response.prepare(request)
 
+    write_timeout_s = request.app[SERVER_CONFIG].write_timeout_s
+
     async def send(*payloads: dict | str) -> None:
         events = (p if isinstance(p, str) else json.dumps(p, separators=(",", ":")) for p in payloads)
-        await response.write("".join(f"data: {data}\n\n" for data in events).encode())
+        data = "".join(f"data: {data}\n\n" for data in events).encode()
+        try:
+            await asyncio.wait_for(response.write(data), write_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectionResetError(f"the client read nothing for {write_timeout_s:g} s") from None
 
     try:
         try:
@@ -404,8 +428,10 @@ async def _stream(
             await send({"error": {"message": str(failure), "type": "engine_error", "param": None, "code": 500}})
         await send("[DONE]")
         await response.write_eof()
-    except ConnectionResetError:  # the client went away mid-write; the caller aborts its requests
-        logger.info("client of %s disconnected", response_id)
+    except ConnectionResetError as error:  # the client went away, or stopped reading; the caller aborts its requests
+        logger.info("client of %s disconnected: %s", response_id, error)
+        if request.transport is not None:
+            request.transport.close()
     return response
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from engine.core.request import Request, RequestStatus
 from engine.core.sampling_params import SamplingParams
 from engine.core.stopping import check_stop, releasable_text_end
@@ -51,3 +54,17 @@ def test_the_released_text_holds_back_only_what_could_begin_a_stop_string():
     assert releasable_text_end("a #b", stops, finished=False) == len("a #b")
     assert releasable_text_end("a ##", stops, finished=True) == len("a ##")
     assert releasable_text_end("a ##", (), finished=False) == len("a ##")
+
+
+def held_back_by_definition(text: str, stops: tuple[str, ...]) -> int:
+    """The longest end of ``text`` that begins a stop string without completing it, by trying every length."""
+    return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+@settings(max_examples=500)
+@given(
+    text=st.text(alphabet="ab\n#", max_size=30),
+    stops=st.lists(st.text(alphabet="ab\n#", min_size=1, max_size=8), min_size=1, max_size=4).map(tuple),
+)
+def test_the_text_held_back_is_the_longest_partial_stop_string(text, stops):
+    assert releasable_text_end(text, stops, finished=False) == len(text) - held_back_by_definition(text, stops)
