@@ -1,23 +1,34 @@
-"""A Chaos Toolkit control that starts the server under test before the experiment and stops it after, so the
-experiment can kill and restart it (``chaos.actions.kill_server`` / ``restart_server``)::
+"""The kvstorm control of Chaos Toolkit, which every experiment of the library loads::
 
     controls:
-      - name: managed-server
-        provider:
-          type: python
-          module: chaos.controls
-          arguments: {command: "${server_command}", ready_url: "${target_url}/ready"}
+      - name: kvstorm
+        provider: {type: python, module: chaos.controls}
 
-An empty ``command`` starts nothing: the experiment targets a server someone else runs.
+It does two things:
+
+- **A baseline miss fails the run.** chaostoolkit-lib records a steady state missed before the method as status
+  "completed", not deviated, and the stock ``chaos run`` then exits 0 although nothing was injected. After the
+  experiment this control marks such a journal "failed", so the stock CLI exits 1 (``kvstorm chaos run`` judges the
+  journal itself: NOT RUN, ``chaos.verdict.judge``).
+- **A managed server** (optional): with a ``command`` it starts the server under test before the experiment and
+  stops it after, so the experiment can kill and restart it (``chaos.actions.kill_server`` / ``restart_server``)::
+
+      arguments: {command: "${server_command}", ready_url: "${target_url}/ready"}
+
+  An empty ``command`` starts nothing: the experiment targets a server someone else runs.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 from chaos.processes import ManagedServer
 from chaos.state import current
+
+logger = logging.getLogger("chaostoolkit")
 
 
 def before_experiment_control(
@@ -31,6 +42,24 @@ def before_experiment_control(
 
 
 def after_experiment_control(context: Any, state: Any = None, **_: Any) -> None:
-    server = current().managed_server
-    if server is not None:
-        server.stop()
+    """``state``: the run's journal (Chaos Toolkit passes the one it returns and writes, so a change here shows in
+    the journal file and in the CLI's exit status)."""
+    try:
+        if isinstance(state, MutableMapping):
+            fail_a_baseline_miss(state)
+    finally:
+        server = current().managed_server
+        if server is not None:
+            server.stop()
+
+
+def fail_a_baseline_miss(journal: MutableMapping[str, Any]) -> bool:
+    """Mark a journal whose steady state was missed before the method "failed" (what chaostoolkit-lib itself records
+    when a probe raises there); True when it changed it. A journal that is already failed, aborted, interrupted or
+    deviated, or whose baseline was met, is left as it is."""
+    before = (journal.get("steady_states") or {}).get("before")
+    if before is None or before.get("steady_state_met") is not False or journal.get("status") != "completed":
+        return False
+    journal["status"] = "failed"
+    logger.error("The steady state was missed before the method: nothing was injected; the run is marked failed")
+    return True

@@ -22,6 +22,17 @@ from loadgen.analysis import Summary
 from loadgen.results import FaultWindow
 
 SECONDS_PROBES = ("load_latency", "settled")
+# Every status a verdict can have, with its exit status: 0 only for HELD; 1 when the steady state was missed (before
+# the method: NOT RUN, nothing was injected; after it: DEVIATED); 2 when the run itself did not go through.
+STATUSES = {
+    "held": 0,  # the method ran, every check was met before and after it
+    "not_run": 1,  # a check missed before the method: Chaos Toolkit stopped, no load, no fault
+    "deviated": 1,  # every check was met before the method, one missed after it
+    "failed": 2,  # Chaos Toolkit marked the run failed with no check missed
+    "aborted": 2,  # an activity of the method failed and stopped it
+    "interrupted": 2,  # a signal (Ctrl-C, the controller's stop) or an exit stopped it
+    "unknown": 2,  # a journal without the evidence for any of the above: never HELD
+}
 
 
 @dataclass(frozen=True)
@@ -30,15 +41,19 @@ class Check:
     expectation: str
     before: Any
     after: Any
-    met: bool | None  # None: never evaluated (the method did not run)
+    met: bool | None  # after the method; None: never evaluated (the method did not run)
     # Evaluated for the verdict after Chaos Toolkit stopped at an earlier failing probe.
     evaluated_late: bool = False
+    # Before the method (on the calm baseline); None: not evaluated (Chaos Toolkit stopped at an earlier miss).
+    met_before: bool | None = None
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """What one run established. ``status`` is a key of ``STATUSES`` (``judge``), ``reason`` says why in words."""
+
     title: str
-    status: str  # held, deviated, failed_before, aborted, interrupted
+    status: str
     reason: str
     checks: list[Check]
     load: Summary | None = None
@@ -51,28 +66,36 @@ class Verdict:
     slos: list[SloResult] = field(default_factory=list)
     slo_profile: str = ""
 
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"verdict status {self.status!r}: expected one of {', '.join(STATUSES)}")
+
     @property
     def held(self) -> bool:
         return self.status == "held"
 
     @property
     def exit_code(self) -> int:
-        """0: the steady state held; 1: it did not (before or after); 2: the run itself failed."""
-        return {"held": 0, "deviated": 1, "failed_before": 1}.get(self.status, 2)
+        """0: the steady state held; 1: it did not (before or after the method); 2: the run itself failed."""
+        return STATUSES[self.status]
 
 
 def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Mapping[str, Any]) -> Verdict:
+    """The verdict of a finished run: its status from the journal (``judge``), each check before and after, and
+    what ``state`` recorded (the main load, the server's activity, fault windows). After a miss past the method it
+    runs the probes Chaos Toolkit skipped (with ``configuration``); a probe that raises there is a missed check."""
     experiment = journal["experiment"]
     probes = (experiment.get("steady-state-hypothesis") or {}).get("probes", [])
     before = _runs_by_name(journal["steady_states"].get("before"))
     after = _runs_by_name(journal["steady_states"].get("after"))
-    status, reason = _status(journal, before, after)
-    method_ran = status in ("held", "deviated")
+    status, reason = judge(journal)
     checks = []
     for probe in probes:
         name = probe["name"]
         run_before, run_after = before.get(name), after.get(name)
-        late = method_ran and run_after is None
+        # Only once the hypothesis after the method has run and stopped at a miss: never on a run that did not
+        # reach it (the probes would measure the baseline again and pass it off as the experiment's load).
+        late = status == "deviated" and journal["steady_states"].get("after") is not None and run_after is None
         if late:
             run_after = _evaluate(probe, configuration)
         checks.append(
@@ -81,8 +104,9 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
                 expectation=describe_tolerance(probe),
                 before=None if run_before is None else run_before.get("output"),
                 after=None if run_after is None else run_after.get("output"),
-                met=None if run_after is None else bool(run_after.get("tolerance_met")),
+                met=None if run_after is None else run_after.get("tolerance_met") is True,
                 evaluated_late=late,
+                met_before=None if run_before is None else run_before.get("tolerance_met") is True,
             )
         )
     main = state.main_load()
@@ -125,19 +149,74 @@ def _runs_by_name(state: Mapping[str, Any] | None) -> dict[str, Mapping[str, Any
     return {run["activity"]["name"]: run for run in (state or {}).get("probes", [])}
 
 
-def _status(journal: Mapping[str, Any], before: Mapping, after: Mapping) -> tuple[str, str]:
-    failed = next((name for name, run in after.items() if not run.get("tolerance_met")), None)
-    if journal.get("deviated"):
-        return "deviated", f"the steady state did not hold after the method: {failed}"
+def judge(journal: Mapping[str, Any]) -> tuple[str, str]:
+    """The status of a run and why, from its Chaos Toolkit journal alone (see ``STATUSES``).
+
+    HELD needs positive evidence: the method ran, and every probe of the hypothesis was run and met before it and
+    after it. Everything else is named as what it is, and a journal this does not recognise is ``unknown``, never
+    HELD. A miss before the method is NOT RUN whatever status Chaos Toolkit gave it (chaostoolkit-lib records it as
+    "completed", not deviated; ``chaos.controls`` marks it "failed")."""
+    before, after = journal["steady_states"].get("before"), journal["steady_states"].get("after")
     status = journal.get("status")
-    if status == "failed":
-        missed = next((name for name, run in before.items() if not run.get("tolerance_met")), "a probe")
-        return "failed_before", f"the steady state did not hold before the method ({missed}): nothing was injected"
+    if before is not None and not before.get("steady_state_met"):
+        return "not_run", f"the baseline misses {_first_miss(before)}, nothing was injected"
     if status in ("aborted", "interrupted"):
-        failed_activity = next((r["activity"]["name"] for r in journal.get("run", []) if r["status"] == "failed"), None)
-        cause = f": {failed_activity} failed" if failed_activity else ""
-        return status, f"the experiment was {status}{cause}"
-    return "held", "every steady-state check held before and after the method"
+        failed = next((r["activity"]["name"] for r in journal.get("run", []) if r.get("status") == "failed"), None)
+        return status, f"the experiment was {status}" + (f": {failed} failed" if failed else "")
+    if journal.get("deviated") or (after is not None and not after.get("steady_state_met")):
+        return "deviated", f"the steady state did not hold after the method: {_first_miss(after)}"
+    if status == "failed":
+        return "failed", "Chaos Toolkit marked the run failed though no steady-state check it ran was missed"
+    missing = _missing_evidence(journal, before, after)
+    if status != "completed" or missing:
+        why = "; ".join(part for part in (f"Chaos Toolkit status {status!r}", missing) if part)
+        return "unknown", f"no evidence that the steady state held ({why})"
+    return "held", "every steady-state check was met before and after the method"
+
+
+def _missing_evidence(journal: Mapping[str, Any], before: Mapping | None, after: Mapping | None) -> str:
+    """What is missing for HELD, or "" when nothing is: a method that ran, each probe met both before and after."""
+    probes = [probe["name"] for probe in (journal["experiment"].get("steady-state-hypothesis") or {}).get("probes", [])]
+    if not probes:
+        return "the experiment has no steady-state probe"
+    if not journal.get("run"):
+        return "the method did not run"
+    for when, state in (("before", before), ("after", after)):
+        runs = _runs_by_name(state)
+        unmet = [name for name in probes if name not in runs or runs[name].get("tolerance_met") is not True]
+        if state is None or not state.get("steady_state_met") or unmet:
+            return f"not every check was met {when} the method: {', '.join(unmet) or 'no hypothesis recorded'}"
+    return ""
+
+
+def _first_miss(state: Mapping[str, Any] | None) -> str:
+    """The first probe of a hypothesis that missed, with its value against its tolerance."""
+    for run in (state or {}).get("probes", []):
+        if run.get("tolerance_met"):
+            continue
+        activity = run["activity"]
+        if run.get("status") != "succeeded":
+            error = (run.get("exception") or ["no error recorded"])[-1].strip()
+            return f"{activity['name']} (the probe failed: {error})"
+        return f"{activity['name']} ({_against(activity, run.get('output'))})"
+    return "a check the journal does not name"
+
+
+def _against(probe: Mapping[str, Any], value: Any) -> str:
+    """``value`` against the tolerance it missed: "0.367 s > 1e-06", "false, expected true", "3, expected 0"."""
+    unit = " s" if probe.get("provider", {}).get("func") in SECONDS_PROBES else ""
+    tolerance = probe.get("tolerance")
+    if isinstance(tolerance, dict) and tolerance.get("type") == "range":
+        tolerance = tolerance["range"]
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(tolerance, list) and len(tolerance) == 2 and is_number:
+        low, high = tolerance
+        if value > high:
+            return f"{value:g}{unit} > {high:g}"
+        if value < low:
+            return f"{value:g}{unit} < {low:g}"
+    shown = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{shown}{unit if is_number else ''}, expected {describe_tolerance(probe)}"
 
 
 def _evaluate(probe: Mapping[str, Any], configuration: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,16 +10,19 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from chaos.verdict import Verdict
+from chaos.verdict import Check, Verdict
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
 
+# The words each status of ``chaos.verdict.STATUSES`` is shown as, everywhere (terminal, verdict.md, report.html).
 STATUS_WORDS = {
     "held": "HELD",
+    "not_run": "NOT RUN",
     "deviated": "DEVIATED",
-    "failed_before": "NOT RUN",
+    "failed": "FAILED",
     "aborted": "ABORTED",
     "interrupted": "INTERRUPTED",
+    "unknown": "UNKNOWN",
 }
 
 
@@ -50,7 +53,8 @@ def sections(verdict: Verdict) -> list[Section]:
 
 
 def headline(verdict: Verdict) -> str:
-    return f"{verdict.title}: {STATUS_WORDS[verdict.status]} ({verdict.reason})"
+    """One line: "<title>: NOT RUN: the baseline misses ttft-p99-s (0.367 s > 1e-06), nothing was injected"."""
+    return f"{verdict.title}: {STATUS_WORDS[verdict.status]}: {verdict.reason}"
 
 
 def print_verdict(verdict: Verdict, console: Console) -> None:
@@ -92,17 +96,23 @@ def to_html(verdict: Verdict) -> str:
 def _checks(verdict: Verdict) -> Section:
     rows, marks = [], []
     for check in verdict.checks:
-        result = "not run" if check.met is None else ("pass" if check.met else "FAIL")
-        if check.evaluated_late:
-            result += " (evaluated after Chaos Toolkit stopped)"
-        rows.append((check.name, check.expectation, _cell(check.before), _cell(check.after), result))
-        marks.append(check.met)
+        rows.append((check.name, check.expectation, _cell(check.before), _cell(check.after), _check_result(check)))
+        marks.append(False if check.met_before is False else check.met)
     return Section(
         "Steady state (before: calm baseline; after: the experiment's load)",
         ("check", "expected", "before", "after", "result"),
         rows,
         marks,
     )
+
+
+def _check_result(check: Check) -> str:
+    if check.met_before is False:
+        return "FAIL before the method (nothing was injected)"
+    if check.met is None:
+        return "not run" if check.met_before is None else "pass before; not run after"
+    result = "pass" if check.met else "FAIL"
+    return result + (" (evaluated after Chaos Toolkit stopped)" if check.evaluated_late else "")
 
 
 def _load(verdict: Verdict) -> Section:

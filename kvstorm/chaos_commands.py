@@ -20,6 +20,7 @@ from chaos.processes import ManagedServer, free_port
 from chaos.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
 from chaos.state import SLO_PROFILE_ENV
 from dashboards.slo import PROFILES
+from kvstorm.exposure import committed_token_refusal
 
 CONTROLLER_TOKEN_ENV = "KVSTORM_CHAOS_TOKEN"
 PROMETHEUS_URL_ENV = "KVSTORM_PROMETHEUS_URL"
@@ -40,8 +41,9 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
         "run",
         help="run an experiment with live progress, then a verdict table and an HTML report",
         description="Runs a Chaos Toolkit experiment (a file, or a name from the library: `kvstorm chaos list`). "
-        "Engine faults need the server's admin token in $" + ADMIN_TOKEN_ENV + ". Exit status 0: the steady state "
-        "held; 1: it did not; 2: the run failed.",
+        "Engine faults need the server's admin token in $" + ADMIN_TOKEN_ENV + ". Exit status 0: HELD (the method "
+        "ran and every check was met before and after it); 1: NOT RUN (a check missed before the method, nothing "
+        "was injected) or DEVIATED (missed after it); 2: the run itself failed, aborted or was interrupted.",
     )
     run.add_argument("experiment", help="a .yaml/.json file or a library name")
     run.add_argument("--target", default=None, help="the server's base URL (the experiment's target_url)")
@@ -68,11 +70,16 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = chaos_subparsers.add_parser(
         "serve",
         help="the chaos controller: an HTTP API (FastAPI) that runs experiments and faults against one target",
-        description="Tokens come from the flags or the environment, never from a URL; neither is logged.",
+        description="Tokens come from the flags or the environment, never from a URL; neither is logged. Bound "
+        "beyond loopback, it refuses to start with a token committed in kvstorm.env.",
     )
     serve.add_argument("--target", required=True, help="the engine's base URL")
     serve.add_argument("--model", default="smollm2-135m", help="the model name the engine serves")
-    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default: loopback only; beyond it, a token committed in kvstorm.env is refused)",
+    )
     serve.add_argument("--port", type=int, default=8090)
     serve.add_argument(
         "--token",
@@ -143,6 +150,11 @@ def list_experiments(_: argparse.Namespace) -> int:
 
 
 def run_controller(args: argparse.Namespace) -> int:
+    # A committed token never guards a port reachable beyond the machine (kvstorm/exposure.py).
+    refusal = committed_token_refusal("kvstorm chaos serve", args.host, args.token, "--token", CONTROLLER_TOKEN_ENV)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     config = ControllerConfig(
         target_url=args.target.rstrip("/"),
         model=args.model,

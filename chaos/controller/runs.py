@@ -62,7 +62,7 @@ class Run:
     overrides: dict[str, Any]
     results_dir: Path
     started_unix: float = field(default_factory=time.time)
-    # running, then the verdict's status (held, deviated, failed_before, aborted, interrupted), or stopped / error.
+    # running, then the verdict's status (chaos.verdict.STATUSES: held, not_run, deviated, ...), or stopped / error.
     status: str = "running"
     phase: str | None = None
     verdict: dict[str, Any] | None = None

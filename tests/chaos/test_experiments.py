@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
+from chaos.metrics import EngineActivity, scrape
 from chaos.runner import EXPERIMENTS_DIR
 from chaos.state import SLO_FILE_ENV
 
@@ -150,3 +152,87 @@ def test_every_library_experiment_is_valid_for_chaos_toolkit(path):
     experiment = load_experiment(str(path))
     ensure_experiment_is_valid(experiment)
     assert len(" ".join(experiment["description"].split())) > 200, "one paragraph: the production failure"
+
+
+def test_every_library_experiment_loads_the_kvstorm_control():
+    """The control that fails a journal whose baseline missed, so that the stock ``chaos run`` exits non-zero."""
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        experiment = yaml.safe_load(path.read_text())
+        modules = [control["provider"].get("module") for control in experiment.get("controls", [])]
+        assert "chaos.controls" in modules, path.name
+
+
+# Short requests: the baseline is all that runs.
+BASELINE_ONLY = {**SHORT, "input_len": "fixed:32", "output_len": "fixed:8"}
+
+
+def baseline_missing_copy(directory: Path) -> Path:
+    """The VRAM-cap experiment with TTFT p99 tightened to 1 us: the calm baseline misses it."""
+    experiment = yaml.safe_load(EXPERIMENT.read_text())
+    (ttft,) = [p for p in experiment["steady-state-hypothesis"]["probes"] if p["name"] == "ttft-p99-s"]
+    ttft["tolerance"] = {"type": "range", "range": [0, 0.000001]}
+    path = directory / "baseline-misses.yaml"
+    path.write_text(yaml.safe_dump(experiment))
+    return path
+
+
+def test_a_baseline_miss_is_not_run_in_both_clis_and_no_load_runs(kvstorm_server, tmp_path):
+    path = baseline_missing_copy(tmp_path)
+    variables = [f"--var={key}={value}" for key, value in BASELINE_ONLY.items()]
+    results = tmp_path / "kvstorm"
+    before = scrape(kvstorm_server.url)
+    command = [sys.executable, "-m", "kvstorm", "chaos", "run", str(path), "--target", kvstorm_server.url,
+               "--results-dir", str(results), "--events", *variables]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    finished = EngineActivity.between(before, scrape(kvstorm_server.url)).finished_by_reason
+    assert sum(finished.values()) == SHORT["baseline_requests"], "the baseline only: no load ran"
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "NOT RUN: the baseline misses ttft-p99-s (" in result.stderr
+    assert "HELD" not in result.stderr
+    assert "no report (the load did not run)" in result.stderr
+    (run_dir,) = results.iterdir()
+    headline = (run_dir / "verdict.md").read_text().splitlines()[0]
+    assert re.fullmatch(
+        r"\*\*.*: NOT RUN: the baseline misses ttft-p99-s \([0-9.]+ s > 1e-06\), nothing was injected\*\*", headline
+    )
+    assert not (run_dir / "load.json").exists()
+    journal = json.loads((run_dir / "journal.json").read_text())
+    assert (journal["status"], journal["deviated"]) == ("failed", False)
+    assert not journal.get("run")
+    (verdict,) = [json.loads(line) for line in result.stdout.splitlines() if '"verdict"' in line]
+    assert (verdict["status"], verdict["exit_code"]) == ("not_run", 1)
+    assert_the_controller_reports_not_run(kvstorm_server, tmp_path, result.stdout)
+    assert_no_fault_left(kvstorm_server)
+
+    workdir = tmp_path / "stock"
+    workdir.mkdir()
+    before = scrape(kvstorm_server.url)
+    stock_code, stock_journal = stock_chaos_run(path, kvstorm_server.url, workdir, BASELINE_ONLY)
+    finished = EngineActivity.between(before, scrape(kvstorm_server.url)).finished_by_reason
+    assert sum(finished.values()) == SHORT["baseline_requests"], "the baseline only: no load ran"
+    assert stock_code == 1
+    assert (stock_journal["status"], stock_journal["deviated"]) == ("failed", False)
+    assert stock_journal["steady_states"]["before"]["steady_state_met"] is False
+    assert not stock_journal.get("run")
+    assert_no_fault_left(kvstorm_server)
+
+
+def assert_the_controller_reports_not_run(kvstorm_server, tmp_path: Path, stdout: str) -> None:
+    """The controller's reader fed the child's real event lines: the run's status and the runs metric's result."""
+    from chaos.controller.metrics import ControllerMetrics
+    from chaos.controller.runs import Run, RunManager
+
+    class Finished:
+        def __init__(self, lines: list[str]) -> None:
+            self.stdout = lines
+
+        def wait(self, timeout: float | None = None) -> int:
+            return 1
+
+    metrics = ControllerMetrics(kvstorm_server.url)
+    manager = RunManager(kvstorm_server.url, "smollm2-135m", "", tmp_path, metrics, max_run_s=60)
+    run = Run("r1", "burst-with-vram-cap", {}, tmp_path)
+    run.process = Finished(stdout.splitlines(keepends=True))
+    manager._follow(run)
+    assert run.status == "not_run"
+    assert metrics.runs.labels(experiment="burst-with-vram-cap", result="not_run")._value.get() == 1
