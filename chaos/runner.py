@@ -150,20 +150,21 @@ def _write_results(
         write_text_atomic(results_dir / "journal.json", json.dumps(journal, indent=1, default=str))
         write_text_atomic(results_dir / "verdict.md", to_markdown(verdict) + "\n")
         main = state.main_load()
-        if main is not None and main.result is not None:
-            main.result.fault_windows = list(state.fault_windows)
-            main.result.write(results_dir / "load.json")
-            dashboards = ""
+        load = None if main is None else main.result
+        dashboards = ""
+        if load is not None:
+            load.fault_windows = list(state.fault_windows)
+            load.write(results_dir / "load.json")
             if prometheus_url is not None:
                 dashboards = _render_dashboards(prometheus_url, state, results_dir, console)
-            with replacing(results_dir / "report.html") as report:
-                write_report(
-                    main.result,
-                    report,
-                    bucket_s=REPORT_BUCKET_S,
-                    title=f"kvstorm chaos run: {verdict.title}",
-                    heading_html=to_html(verdict) + dashboards,
-                )
+        with replacing(results_dir / "report.html") as report:  # also for a run whose load never ran: its verdict
+            write_report(
+                load,
+                report,
+                bucket_s=REPORT_BUCKET_S,
+                title=f"kvstorm chaos run: {verdict.title}",
+                heading_html=to_html(verdict) + dashboards,
+            )
     except OSError as error:
         why = f"results not written in {results_dir}: {type(error).__name__}: {error}"
         console.print(why, style="red", markup=False)

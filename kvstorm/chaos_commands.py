@@ -195,7 +195,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _print_where(results_dir: Path) -> None:
     report = results_dir / "report.html"
-    where = f"report: {report}" if report.exists() else "no report (the load did not run)"
+    where = f"report: {report}" if report.exists() else "no report (it could not be written)"
     print(f"{where}\nverdict: {results_dir / 'verdict.md'}, journal: {results_dir / 'journal.json'}", file=sys.stderr)
 
 

@@ -30,16 +30,20 @@ SERVER_ROWS = (("KV cache usage",), ("running", "waiting", "swapped"), ("preempt
 
 
 def write_report(
-    result: RunResult, path: Path, bucket_s: float = 1.0, *, title: str | None = None, heading_html: str = ""
+    result: RunResult | None, path: Path, bucket_s: float = 1.0, *, title: str | None = None, heading_html: str = ""
 ) -> None:
-    """``heading_html``: a section a caller puts above the run's own (a chaos run's verdict)."""
-    parts = [
-        heading_html,
-        _summary_html(result),
-        _timeline(result, bucket_s).to_html(full_html=False, include_plotlyjs=True),
-        _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
-    ]
-    title = title or f"kvstorm bench serve {result.run_id}"
+    """``heading_html``: a section a caller puts above the run's own (a chaos run's verdict). ``result`` None: the
+    heading alone, for a run whose load never ran (a chaos run stopped by its baseline)."""
+    if result is None:
+        parts = [heading_html, "<p>No load ran, so there is no timeline.</p>"]
+    else:
+        parts = [
+            heading_html,
+            _summary_html(result),
+            _timeline(result, bucket_s).to_html(full_html=False, include_plotlyjs=True),
+            _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
+        ]
+    title = title or ("kvstorm report" if result is None else f"kvstorm bench serve {result.run_id}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
