@@ -190,12 +190,16 @@ def _timeline(verdict: Verdict) -> Section:
         recovery = "not within the load" if verdict.recovery_s is None else _seconds(verdict.recovery_s)
         rows.append(("time to recover (last fault off -> backlog back to its pre-fault level)", recovery))
     rows += [("restart: time to ready", _seconds(ready_s)) for ready_s in verdict.restarts_s]
+    if not rows:
+        rows.append(("no fault was injected", "-"))
     return Section("Faults and recovery", ("", "duration"), rows, [None] * len(rows))
 
 
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, bool):  # as the expectations write them
+        return str(value).lower()
     if isinstance(value, float):
         return f"{value:.3f}".rstrip("0").rstrip(".")
     return str(value)
