@@ -18,8 +18,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -62,6 +62,8 @@ MAX_LOGGED_FIELD_NAMES = 256
 _ignored_fields_logged: set[str] = set()
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
+LIFECYCLE = web.AppKey("lifecycle", "Lifecycle")
+PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered even when draining or at the connection cap
 
 
 @dataclass(frozen=True)
@@ -75,23 +77,42 @@ class ServerConfig:
     strict_api: bool = False
     # A stream whose client reads nothing for this long is closed (its requests abort): a write never waits forever.
     write_timeout_s: float = 60.0
+    # A connection that completes no request for this long is closed: an idle keep-alive one, or one still sending
+    # its headers (aiohttp's default is an hour).
+    keepalive_timeout_s: float = 15.0
+    # Beyond this many open connections a request gets 503 and its connection is closed (probes are still answered).
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
-        if self.write_timeout_s <= 0:
-            raise ValueError(f"write_timeout_s must be > 0, got {self.write_timeout_s}")
+        for name in ("write_timeout_s", "keepalive_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin_token must not be empty")
 
 
+@dataclass
+class Lifecycle:
+    """What the app knows of its listener: whether it drains (``drain``) and how many connections are open
+    (``start_server`` tells it how to count them)."""
+
+    is_draining: bool = False
+    count_connections: Callable[[], int] = field(default=lambda: 0)
+
+
 def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """The app; it starts the engine loop on startup and stops it on shutdown."""
-    app = web.Application(middlewares=[_error_middleware], client_max_size=config.max_body_bytes)
+    middlewares = [_error_middleware, _gate_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ASYNC_ENGINE] = async_engine
     app[SERVER_CONFIG] = config
+    app[LIFECYCLE] = Lifecycle()
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", _models)
@@ -158,7 +179,27 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         rejection = ApiError(500, "internal server error", error_type="server_error")
     reason = rejection.reason or _REJECTION_REASONS.get(rejection.status, f"http_{rejection.status}")
     request.app[ASYNC_ENGINE].metrics.observe_rejected(reason)
-    return error_response(rejection)
+    response = error_response(rejection)
+    if rejection.headers.get("Connection") == "close":
+        response.force_close()
+    return response
+
+
+@web.middleware
+async def _gate_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Before a request is read: none but probes while draining or past the connection cap."""
+    if request.path in PROBE_PATHS:
+        return await handler(request)
+    lifecycle, config = request.app[LIFECYCLE], request.app[SERVER_CONFIG]
+    if lifecycle.is_draining:
+        raise ApiError(503, "the server is shutting down: it finishes the streams in flight and takes no new request",
+                       error_type="server_error", headers={"Retry-After": "5"}, reason="draining")  # fmt: skip
+    num_connections = lifecycle.count_connections()
+    if num_connections > config.max_connections:
+        message = f"{num_connections} connections are open, more than this server takes ({config.max_connections})"
+        raise ApiError(503, message, error_type="server_error", headers={"Retry-After": "1", "Connection": "close"},
+                       reason="connection_cap")  # fmt: skip
+    return await handler(request)
 
 
 async def _read_body(request: web.Request, model: type[BaseModel]) -> tuple[BaseModel, list[str]]:
@@ -503,6 +544,8 @@ async def _ready(request: web.Request) -> web.Response:
         reasons.append(problem)
     if async_engine.is_paused:
         reasons.append("the engine is paused by an admin")
+    if request.app[LIFECYCLE].is_draining:
+        reasons.append("the server is shutting down: it finishes the streams in flight and takes no new request")
     frozen_s = async_engine.freeze_remaining_s
     if frozen_s is not None:
         reasons.append(f"the engine loop is frozen by a fault for {frozen_s:.1f} s more")
@@ -528,7 +571,20 @@ async def _metrics(request: web.Request) -> web.Response:
 
 async def start_server(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Listen on ``host:port`` (0: any free port); returns the runner (``cleanup()`` stops it) and the port."""
-    runner = web.AppRunner(app, handler_cancellation=True)
+    config = app[SERVER_CONFIG]
+    runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=config.keepalive_timeout_s)
     await runner.setup()
+    app[LIFECYCLE].count_connections = lambda: len(runner.server.connections)
     await web.TCPSite(runner, host, port).start()
     return runner, runner.addresses[0][1]
+
+
+async def drain(app: web.Application, timeout_s: float) -> int:
+    """Stop taking requests (503 with Retry-After, ``/ready`` 503) and wait up to ``timeout_s`` for the streams in
+    flight to finish. Returns how many were left: the shutdown that follows ends each with an SSE error event."""
+    app[LIFECYCLE].is_draining = True
+    async_engine = app[ASYNC_ENGINE]
+    deadline = time.monotonic() + timeout_s
+    while async_engine.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return async_engine.num_in_flight

@@ -1,0 +1,97 @@
+"""The server's edges: a drain that lets the streams in flight finish while it refuses new work, connections that
+cannot be held open for free, and a cap on how many there are."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import requests
+
+from engine.serving.server import LIFECYCLE, drain
+from tests.engine.serving.conftest import make_tiny_engine, metric_value, running_server, wait_until
+
+TINY = "tiny"
+
+
+def stream_one(url: str, results: list[dict]) -> None:
+    body = {"model": TINY, "prompt": [1, 2, 3], "max_tokens": 30, "ignore_eos": True, "stream": True}
+    events = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode())
+    finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if "choices" in json.loads(e)]
+    errors = [event for event in events if "error" in event]
+    results.append({"done": events[-1] == "[DONE]", "finish": finishes[-1] if finishes else None, "errors": errors})
+
+
+def test_a_drain_lets_the_streams_in_flight_finish_and_refuses_new_ones():
+    with running_server(make_tiny_engine(), name=TINY) as server:
+        # Each step takes 50 ms: 30 tokens last 1.5 s, long enough to drain in the middle of them.
+        requests.post(f"{server.url}/admin/faults", json={"step_delay": 0.05}, headers=server.admin_headers, timeout=10)
+        results: list[dict] = []
+        clients = [threading.Thread(target=stream_one, args=(server.url, results)) for _ in range(4)]
+        for client in clients:
+            client.start()
+        wait_until(lambda: server.async_engine.num_in_flight == 4, "four streams in flight")
+        drained = asyncio.run_coroutine_threadsafe(drain(server.runner.app, timeout_s=60), server.loop)
+        wait_until(lambda: requests.get(f"{server.url}/ready", timeout=10).status_code == 503, "/ready to turn 503")
+        refused = requests.post(f"{server.url}/v1/completions", json={"model": TINY, "prompt": [1]}, timeout=10)
+        assert refused.status_code == 503
+        assert refused.headers["Retry-After"] == "5"
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert drained.result(60) == 0  # none left for the shutdown to cut
+        for client in clients:
+            client.join(60)
+    assert results == [{"done": True, "finish": "length", "errors": []}] * 4
+
+
+def test_a_drain_that_runs_out_ends_the_rest_with_an_error_event():
+    with running_server(make_tiny_engine(), name=TINY) as server:
+        requests.post(f"{server.url}/admin/faults", json={"step_delay": 0.2}, headers=server.admin_headers, timeout=10)
+        results: list[dict] = []
+        client = threading.Thread(target=stream_one, args=(server.url, results))
+        client.start()
+        wait_until(lambda: server.async_engine.num_in_flight == 1, "a stream in flight")
+        assert asyncio.run_coroutine_threadsafe(drain(server.runner.app, timeout_s=0.3), server.loop).result(10) == 1
+        server.stop()  # what kvstorm serve does after the drain: the shutdown ends the stream
+        client.join(60)
+    (result,) = results
+    assert result["done"]
+    assert "shutting down" in result["errors"][0]
+
+
+def test_a_connection_that_sends_no_whole_request_is_closed():
+    with running_server(make_tiny_engine(), name=TINY, keepalive_timeout_s=1.0) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as half:
+            half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+            started = time.monotonic()
+            assert half.recv(100) == b""  # closed by the server
+            assert time.monotonic() - started < 20  # a hang guard: aiohttp's default keeps it for an hour
+
+
+def test_past_the_connection_cap_a_request_gets_503_and_probes_still_answer():
+    with running_server(make_tiny_engine(), name=TINY, max_connections=3) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        try:
+            wait_until(lambda: server.runner.app[LIFECYCLE].count_connections() >= 3, "three open connections")
+            body = {"model": TINY, "prompt": [1], "max_tokens": 1}
+            refused = requests.post(f"{server.url}/v1/completions", json=body, timeout=10)
+            assert refused.status_code == 503
+            assert "more than this server takes (3)" in refused.json()["error"]["message"]
+            assert refused.headers["Connection"] == "close"
+            assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+        finally:
+            for connection in idle:
+                connection.close()
+        wait_until(lambda: server.runner.app[LIFECYCLE].count_connections() == 0, "the idle connections to go")
+        assert requests.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
+        exposition = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert metric_value(exposition, "kvstorm:rejected_requests_total", reason="connection_cap") == 1
