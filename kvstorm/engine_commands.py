@@ -26,6 +26,7 @@ from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.server import ServerConfig, create_app, start_server
+from kvstorm.exposure import committed_token_refusal
 from loadgen.spec import parse_duration
 
 # Admission's default TTFT objective: twice the bundled CPU profile's TTFT SLO (5 s), and about as long as
@@ -246,6 +247,11 @@ def _float_list(text: str) -> tuple[float, ...]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    # Before the model loads: a committed token never guards a port reachable beyond the machine (kvstorm/exposure.py).
+    refusal = committed_token_refusal("kvstorm serve", args.host, args.admin_token, "--admin-token", ADMIN_TOKEN_ENV)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_size,

@@ -13,7 +13,8 @@ client timeout, with the reason. Users loop without waiting; the load is the num
 Streams are checked by the same tracker as ``kvstorm bench serve`` (SSE framing, finish reason, ``[DONE]``, usage
 against tokens delivered). The read blocks, so a stall cannot be cut while it happens: a gap longer than
 ``--stall-timeout`` is reported when the stream ends, and a server that never answers hits ``--request-timeout``.
-gevent lives only in this file's process: nothing else in ``loadgen`` imports locust.
+gevent lives only in this file's process: nothing else in ``loadgen`` imports locust. The web UI asks for a login
+where compose publishes it beyond loopback (``loadgen/web_login.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import requests
 from locust import HttpUser, LoadTestShape, constant, events, task
 from urllib3.exceptions import ReadTimeoutError
 
+from loadgen import web_login
 from loadgen.arrivals import Arrival
 from loadgen.records import Outcome, RequestRecord
 from loadgen.shapes import make_shape
@@ -47,6 +49,12 @@ def add_arguments(parser) -> None:
     group.add_argument("--shape", env_var="LOCUST_SHAPE", default="constant", help="constant, onoff:, spike:, step:")
     group.add_argument("--stall-timeout", env_var="LOCUST_STALL_TIMEOUT", default="30s")
     group.add_argument("--request-timeout", env_var="LOCUST_REQUEST_TIMEOUT", default="600s")
+    web_login.add_arguments(parser)  # the web UI's login on where compose publishes it beyond loopback
+
+
+@events.init.add_listener
+def install_web_login(environment, web_ui=None, **_kwargs) -> None:
+    web_login.install(web_ui)
 
 
 class BrokenStream(Exception):
