@@ -25,7 +25,7 @@ from engine.llm_engine import LLMEngine
 from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
-from engine.serving.server import ServerConfig, create_app, start_server
+from engine.serving.server import ASYNC_ENGINE, ServerConfig, create_app, drain, start_server
 from kvstorm.exposure import committed_token_refusal
 from loadgen.spec import parse_duration
 
@@ -194,6 +194,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--stall-timeout", type=float, default=30.0, help="/health is 503 after this long in flight without a step"
     )
     server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or SIGINT: /ready turns 503, new requests get 503, and the streams in flight get this many "
+        "seconds to finish before the rest end with an error event (a second signal ends the wait)",
+    )
+    server.add_argument(
+        "--max-connections", type=int, default=1024, help="beyond this many open connections requests get 503"
+    )
+    server.add_argument(
         "--ttft-slo",
         type=_objective,
         default=DEFAULT_TTFT_SLO_S,
@@ -258,6 +268,7 @@ def run_serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         admin_token=args.admin_token,
         strict_api=args.strict_api,
+        max_connections=args.max_connections,
     )
     limits = AdmissionLimits(
         ttft_slo_s=args.ttft_slo,
@@ -278,7 +289,7 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"kvstorm serve: admission {_describe_admission(limits)}", file=sys.stderr, flush=True)
     metrics = EngineMetrics(config.served_model_name, args.histogram_buckets)
     app = create_app(AsyncEngine(engine, metrics, limits), config)
-    asyncio.run(_serve_until_signalled(app, args.host, args.port))
+    asyncio.run(_serve_until_signalled(app, args.host, args.port, args.drain_timeout))
     return 0
 
 
@@ -295,15 +306,26 @@ def _load_off_the_main_thread(config: EngineConfig) -> LLMEngine:
         return loader.submit(LLMEngine, config).result()
 
 
-async def _serve_until_signalled(app, host: str, port: int) -> None:
+async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: float) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: the streams in flight finish (up to ``drain_timeout_s``, or until a
+    second signal), new requests are refused; then the listener closes and what is left ends with an error event."""
     runner, bound_port = await start_server(app, host, port)
     print(f"kvstorm serve: listening on http://{host}:{bound_port}", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
+    signalled = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, signalled.set)
     try:
-        await stop.wait()
+        await signalled.wait()
+        signalled.clear()
+        print(f"kvstorm serve: draining (up to {drain_timeout_s:g} s)", file=sys.stderr, flush=True)
+        draining = asyncio.ensure_future(drain(app, drain_timeout_s))
+        second_signal = asyncio.ensure_future(signalled.wait())
+        await asyncio.wait([draining, second_signal], return_when=asyncio.FIRST_COMPLETED)
+        second_signal.cancel()
+        left = draining.result() if draining.done() else app[ASYNC_ENGINE].num_in_flight
+        draining.cancel()
+        print(f"kvstorm serve: stopping; {left} streams still in flight end now", file=sys.stderr, flush=True)
     finally:
         await runner.cleanup()
 
