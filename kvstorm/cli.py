@@ -35,6 +35,7 @@ BENCHMARKS = {
     ),
     "client-capacity": ("kvstorm.bench.serve", "add_bench_client_capacity_parser", "run_bench_client_capacity"),
     "goodput": ("kvstorm.bench.goodput", "add_bench_goodput_parser", "run_bench_goodput"),
+    "neighbours": ("kvstorm.bench.neighbours", "add_bench_neighbours_parser", "run_bench_neighbours"),
     "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
 }
 

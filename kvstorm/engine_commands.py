@@ -204,6 +204,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-connections", type=int, default=1024, help="beyond this many open connections requests get 503"
     )
     server.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=16,
+        help="prompts x n of one completion request (more: a 400); each sequence shares the batch with everyone's",
+    )
+    server.add_argument(
         "--ttft-slo",
         type=_objective,
         default=DEFAULT_TTFT_SLO_S,
@@ -269,6 +275,7 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_token=args.admin_token,
         strict_api=args.strict_api,
         max_connections=args.max_connections,
+        max_sequences=args.max_sequences_per_request,
     )
     limits = AdmissionLimits(
         ttft_slo_s=args.ttft_slo,

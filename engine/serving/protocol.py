@@ -27,7 +27,6 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # n: choices per prompt
-MAX_SEQUENCES = 128  # prompts x n: the sequences one request submits
 NonEmptyString = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -155,11 +154,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported by kvstorm")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs (the prompt's logprobs) is not supported by kvstorm")
-        num_sequences = len(self.prompts()) * self.n
-        if num_sequences > MAX_SEQUENCES:
-            raise ValueError(
-                f"prompts x n = {num_sequences} sequences; one request may ask for at most {MAX_SEQUENCES}"
-            )
         return self
 
     def num_logprobs(self) -> int | None:

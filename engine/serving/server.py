@@ -82,6 +82,9 @@ class ServerConfig:
     keepalive_timeout_s: float = 15.0
     # Beyond this many open connections a request gets 503 and its connection is closed (probes are still answered).
     max_connections: int = 1024
+    # prompts x n of one request: each sequence decodes in the same batch as everyone else's, so a request of k
+    # sequences slows its neighbours as k requests do (docs/benchmarks.md, "Neighbours").
+    max_sequences: int = 16
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -91,8 +94,9 @@ class ServerConfig:
         for name in ("write_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("max_connections", "max_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin_token must not be empty")
 
@@ -275,6 +279,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     prompts = body.prompts()
+    max_sequences = request.app[SERVER_CONFIG].max_sequences
+    if len(prompts) * body.n > max_sequences:
+        message = f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} sequences; at most {max_sequences}"
+        raise ApiError(400, message + " per request (--max-sequences-per-request)", "n")
     choices = [prompt for prompt in prompts for _ in range(body.n)]
     params_list = _per_choice(params, len(prompts), body.n)
     return await _generate(request, body, "cmpl", choices, params_list, async_engine, ignored, arrival_ts)
