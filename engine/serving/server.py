@@ -346,8 +346,7 @@ async def _generate(
     arrival_ts: float,
 ) -> web.StreamResponse:
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
-    # The same body sent again is the same request: a client that honours a Retry-After resends it unchanged.
-    retry_key = hashlib.sha256(body.model_dump_json().encode()).hexdigest()
+    retry_key = retry_key_of(request.remote, request.headers.get("Authorization"), body.model_dump_json())
     streams = await _submit_all(async_engine, response_id, prompts, params_list, retry_key, arrival_ts)
     is_chat = isinstance(body, ChatCompletionRequest)
     created = int(time.time())
@@ -371,6 +370,14 @@ async def _generate(
         for stream in streams:
             if not stream.finished:
                 async_engine.abort(stream.request_id)
+
+
+def retry_key_of(remote: str | None, authorization: str | None, body_json: str) -> str:
+    """What admission recognises a retry by: the same body sent again by the same client (its address and its
+    credentials), as a client that honours a Retry-After resends it; another client with the same body gets no
+    place in line that was promised to the first."""
+    identity = json.dumps([remote or "", authorization or "", body_json])
+    return hashlib.sha256(identity.encode()).hexdigest()
 
 
 async def _submit_all(

@@ -16,7 +16,7 @@ from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS
-from engine.serving.server import MAX_UNKNOWN_FIELDS, _merge
+from engine.serving.server import MAX_UNKNOWN_FIELDS, _merge, retry_key_of
 from tests.engine.serving.conftest import make_engine, make_tiny_engine, metric_value, running_server
 
 MODEL = "smollm2-135m"
@@ -97,3 +97,13 @@ def test_a_client_that_reads_none_of_its_n_choices_is_aborted_like_one_with_one(
     assert engine.kv_cache_manager.device_pool.num_free_blocks == engine.kv_cache_manager.device_pool.num_blocks
     exposition = metrics.exposition().decode()
     assert metric_value(exposition, "kvstorm:aborted_requests_total", phase="decode", reason="slow_client") == 2
+
+
+def test_a_retry_ticket_belongs_to_the_client_that_was_refused():
+    body = json.dumps(OK)
+    key = retry_key_of("127.0.0.1", "Bearer a", body)
+    assert retry_key_of("127.0.0.1", "Bearer a", body) == key  # the same request sent again
+    assert retry_key_of("127.0.0.2", "Bearer a", body) != key  # from elsewhere
+    assert retry_key_of("127.0.0.1", "Bearer b", body) != key  # with other credentials
+    assert retry_key_of("127.0.0.1", None, body) != key
+    assert retry_key_of("127.0.0.1", "Bearer a", json.dumps({**OK, "max_tokens": 3})) != key
