@@ -4,7 +4,12 @@
       - name: kvstorm
         provider: {type: python, module: chaos.controls}
 
-It does two things:
+It does three things:
+
+- **An experiment the server cannot take stops before it starts.** One that injects engine faults needs kvstorm's
+  ``/admin/faults``; against a server without it the run is interrupted before the baseline, and the journal
+  carries the reason (``kvstorm_not_applicable``), which the verdict reports as NOT APPLICABLE
+  (``chaos.applicability``).
 
 - **A baseline miss fails the run.** chaostoolkit-lib records a steady state missed before the method as status
   "completed", not deviated, and the stock ``chaos run`` then exits 0 although nothing was injected. After the
@@ -25,6 +30,9 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
+from chaoslib.exceptions import InterruptExecution
+
+from chaos.applicability import inapplicability
 from chaos.processes import ManagedServer
 from chaos.state import current
 
@@ -32,13 +40,18 @@ logger = logging.getLogger("chaostoolkit")
 
 
 def before_experiment_control(
-    context: Any, command: str = "", ready_url: str = "", log_path: str = "", **_: Any
+    context: Any, command: str = "", ready_url: str = "", log_path: str = "", configuration: Any = None, **_: Any
 ) -> None:
-    if not command:
-        return
-    server = ManagedServer(command, ready_url, Path(log_path) if log_path else None)
-    server.start()
-    current().managed_server = server
+    """``context``: the experiment; ``configuration``: its values (``target_url``)."""
+    if command:
+        server = ManagedServer(command, ready_url, Path(log_path) if log_path else None)
+        server.start()
+        current().managed_server = server
+    target_url = (configuration or {}).get("target_url")
+    problem = inapplicability(context, target_url) if isinstance(context, dict) and target_url else None
+    if problem is not None:
+        current().not_applicable = problem
+        raise InterruptExecution(problem)
 
 
 def after_experiment_control(context: Any, state: Any = None, **_: Any) -> None:
@@ -46,6 +59,8 @@ def after_experiment_control(context: Any, state: Any = None, **_: Any) -> None:
     the journal file and in the CLI's exit status)."""
     try:
         if isinstance(state, MutableMapping):
+            if current().not_applicable is not None:
+                state["kvstorm_not_applicable"] = current().not_applicable
             fail_a_baseline_miss(state)
     finally:
         server = current().managed_server

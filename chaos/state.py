@@ -57,6 +57,8 @@ class RunState:
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
     storms: list[StormReport] = field(default_factory=list)
     managed_server: ManagedServer | None = None
+    # Why the server cannot take this experiment (chaos.applicability), when the kvstorm control stopped it.
+    not_applicable: str | None = None
     # Per server with engine faults set: the thread that renews their lease.
     lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)

@@ -32,6 +32,7 @@ STATUSES = {
     "aborted": 2,  # an activity of the method failed and stopped it
     "interrupted": 2,  # a signal (Ctrl-C, the controller's stop) or an exit stopped it
     "unknown": 2,  # a journal without the evidence for any of the above: never HELD
+    "not_applicable": 2,  # the server cannot take the experiment (no /admin/faults for its engine faults)
 }
 
 
@@ -156,6 +157,8 @@ def judge(journal: Mapping[str, Any]) -> tuple[str, str]:
     after it. Everything else is named as what it is, and a journal this does not recognise is ``unknown``, never
     HELD. A miss before the method is NOT RUN whatever status Chaos Toolkit gave it (chaostoolkit-lib records it as
     "completed", not deviated; ``chaos.controls`` marks it "failed")."""
+    if journal.get("kvstorm_not_applicable"):
+        return "not_applicable", journal["kvstorm_not_applicable"]
     before, after = journal["steady_states"].get("before"), journal["steady_states"].get("after")
     status = journal.get("status")
     if before is not None and not before.get("steady_state_met"):

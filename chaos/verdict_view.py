@@ -23,6 +23,7 @@ STATUS_WORDS = {
     "aborted": "ABORTED",
     "interrupted": "INTERRUPTED",
     "unknown": "UNKNOWN",
+    "not_applicable": "NOT APPLICABLE",
 }
 
 

@@ -15,11 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
 import yaml
 
 from chaos.metrics import EngineActivity, scrape
 from chaos.runner import EXPERIMENTS_DIR
 from chaos.state import SLO_FILE_ENV
+from tests.loadgen.conftest import scripted_server
 
 EXPERIMENT = EXPERIMENTS_DIR / "burst-with-vram-cap.yaml"
 SHORT = {
@@ -238,3 +240,22 @@ def assert_the_controller_reports_not_run(kvstorm_server, tmp_path: Path, stdout
     manager._follow(run)
     assert run.status == "not_run"
     assert metrics.runs.labels(experiment="burst-with-vram-cap", result="not_run")._value.get() == 1
+
+
+def test_an_engine_fault_experiment_is_not_applicable_to_a_server_without_kvstorms_admin_api(tmp_path):
+    """The scripted OpenAI-compatible server has no /admin/faults, as vLLM has none: both CLIs stop before the
+    baseline, name the activities that need it, and send the server nothing."""
+    with scripted_server() as server:
+        command = [sys.executable, "-m", "kvstorm", "chaos", "run", str(EXPERIMENT), "--target", server.base_url,
+                   "--model", "m", "--results-dir", str(tmp_path / "kvstorm")]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+        stock_code, journal = stock_chaos_run(EXPERIMENT, server.base_url, tmp_path, {"model": "m"})
+        received = requests.get(f"{server.base_url}/script-log", timeout=10).json()
+    assert result.returncode == 2, result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "kvstorm").iterdir()
+    headline = (run_dir / "verdict.md").read_text().splitlines()[0]
+    assert "NOT APPLICABLE: not applicable to this server: cap-kv-cache injects engine faults" in headline
+    assert stock_code != 0
+    assert journal["status"] == "interrupted"
+    assert "does not serve (HTTP 404)" in journal["kvstorm_not_applicable"]
+    assert received == []  # no baseline, no load
