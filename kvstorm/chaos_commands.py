@@ -43,7 +43,8 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Runs a Chaos Toolkit experiment (a file, or a name from the library: `kvstorm chaos list`). "
         "Engine faults need the server's admin token in $" + ADMIN_TOKEN_ENV + ". Exit status 0: HELD (the method "
         "ran and every check was met before and after it); 1: NOT RUN (a check missed before the method, nothing "
-        "was injected) or DEVIATED (missed after it); 2: the run itself failed, aborted or was interrupted.",
+        "was injected) or DEVIATED (missed after it); 2: the run itself failed, aborted or was interrupted, or the "
+        "server cannot take the experiment (NOT APPLICABLE: engine faults without kvstorm's admin API).",
     )
     run.add_argument("experiment", help="a .yaml/.json file or a library name")
     run.add_argument("--target", default=None, help="the server's base URL (the experiment's target_url)")
