@@ -13,6 +13,7 @@ what the code builds).
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ def build_all(
         f"prometheus/{RULES_FILE}": to_yaml(rule_groups(slos, rule_interval)),
         "grafana/provisioning/datasources/prometheus.yml": to_yaml(_datasource(prometheus_url)),
         "grafana/provisioning/dashboards/kvstorm.yml": to_yaml(_dashboard_provider()),
-        **{f"grafana/dashboards/{board.uid}.json": to_json(board) + "\n" for board in boards(slos)},
+        **{f"grafana/dashboards/{board.uid}.json": dashboard_json(board) + "\n" for board in boards(slos)},
     }
     written = []
     for relative, text in files.items():
@@ -63,6 +64,78 @@ def build_all(
     for source, copy in zip(PROMTOOL_TESTS, tests, strict=True):
         shutil.copyfile(source, copy)
     return [*written, *tests]
+
+
+# What grafanalib writes that Grafana's dashboard schema does not have: the pre-5.0 layout's fields, the old graph
+# and heatmap panels', Graphite's in a query and the old graph's in a threshold step.
+_LEGACY_FIELDS = {
+    "dashboard": {"__inputs", "hideControls", "rows", "sharedCrosshair", "style"},
+    "panel": {"editable", "error"},
+    "heatmap": {"cards", "color", "dataFormat", "heatmap", "hideZeroBuckets", "highlightCards", "legend"}
+    | {"reverseYBuckets", "tooltip", "xAxis", "yAxis"},
+    "target": {"metric", "query", "step", "target"},
+    "step": {"index", "line", "op", "yaxis"},
+    "variable": {"useTags"},
+    "current": {"tags"},
+}
+_ROW_FIELDS = {"type", "collapsed", "id", "panels", "title", "datasource", "gridPos", "repeat"}
+
+
+def dashboard_json(board: Board) -> str:
+    """A board's Grafana dashboard as Grafana's schema has it (tests/dashboards/test_grafana_schema.py checks it with
+    grafana-foundation-sdk): grafanalib's JSON without its nulls and legacy fields, the heatmaps as the heatmap panel
+    Grafana ships since 9.0 (its options, not the old panel's fields that Grafana would migrate on load)."""
+    dashboard = _without_nulls(json.loads(to_json(board)))
+    _drop(dashboard, "dashboard")
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            for key in set(panel) - _ROW_FIELDS:
+                del panel[key]
+            continue
+        if panel["type"] == "heatmap":
+            panel["options"] = _heatmap_options(panel)
+            _drop(panel, "heatmap")
+        _drop(panel, "panel")
+        for target in panel.get("targets", []):
+            _drop(target, "target")
+        for step in panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", []):
+            _drop(step, "step")
+            if step.get("value") == "null":  # the base step, which has no lower bound
+                del step["value"]
+    for variable in dashboard["templating"]["list"]:
+        _drop(variable, "variable")
+        _drop(variable.get("current", {}), "current")
+    return json.dumps(dashboard, indent=1, sort_keys=True)
+
+
+def _heatmap_options(panel: dict) -> dict:
+    """The heatmap panel's options for what grafanalib's old heatmap says: buckets already counted per series
+    (``tsbuckets``), the unit of the y axis, empty buckets hidden."""
+    options = {
+        "calculate": panel.get("dataFormat") != "tsbuckets",
+        "yAxis": {"unit": panel.get("yAxis", {}).get("format", "short"), "axisPlacement": "left"},
+        "color": {"mode": "scheme", "scheme": "Oranges", "scale": "exponential", "exponent": 0.5, "steps": 64},
+        "cellGap": 1,
+        "legend": {"show": False},
+        "tooltip": {"mode": "single", "yHistogram": False},
+    }
+    if panel.get("hideZeroBuckets"):
+        options["filterValues"] = {"le": 1e-9}
+    return options
+
+
+def _drop(fields: dict, kind: str) -> None:
+    for key in _LEGACY_FIELDS[kind] & set(fields):
+        del fields[key]
+
+
+def _without_nulls(value: object) -> object:
+    """Grafana's schema has no null for an optional field: it is left out."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def _datasource(prometheus_url: str) -> dict:
