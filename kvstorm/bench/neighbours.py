@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import running_kvstorm
 from engine.serving.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from engine.serving.server import MAX_UNKNOWN_FIELD_CHARS, MAX_UNKNOWN_FIELDS, ServerConfig
 from kvstorm.bench.doc import BenchReport
@@ -103,16 +103,8 @@ async def measure(url: str, model: str, repeats: int, max_tokens: int) -> tuple[
 
 
 def run_bench_neighbours(args: argparse.Namespace) -> BenchReport:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = ["kvstorm", "serve", "--port", str(port), "--model", args.model, "--ttft-slo", "off",
-               *shlex.split(args.server_args)]  # fmt: skip
-    server = ManagedServer(command, f"{url}/ready", None)
-    server.start()
-    try:
+    with running_kvstorm(["--model", args.model, "--ttft-slo", "off", *shlex.split(args.server_args)]) as url:
         alone, cases = asyncio.run(measure(url, args.model, args.repeats, args.aggressor_tokens))
-    finally:
-        server.stop()
     rows = [f"| {name} | {latency * 1e3:.0f} | {latency / alone:.2f}x |" for name, latency in cases.items()]
     over = [name for name, latency in cases.items() if latency / alone > TARGET_RATIO]
     markdown = "\n".join(
