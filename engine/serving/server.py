@@ -83,8 +83,9 @@ class ServerConfig:
     # Beyond this many open connections a request gets 503 and its connection is closed (probes are still answered).
     max_connections: int = 1024
     # prompts x n of one request: each sequence decodes in the same batch as everyone else's, so a request of k
-    # sequences slows its neighbours as k requests do (docs/benchmarks.md, "Neighbours").
-    max_sequences: int = 16
+    # sequences slows its neighbours as k requests do; 2 keeps a neighbour within 1.5x of its latency alone on a
+    # 2-core CPU (docs/benchmarks.md, `kvstorm bench neighbours`), where 4 already costs it 1.7x.
+    max_sequences: int = 2
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -2,8 +2,9 @@
 
 Against a fresh ``kvstorm serve`` (admission off, so every request runs): a 32-token greedy request's end-to-end
 latency alone, then beside one aggressor per capped field, the request that field's cap still allows at its worst
-(300 logit_bias keys, four 256-character stop strings, 64 stop_token_ids, n at the sequence cap, 32 unknown fields
-with 64-character names), streaming long enough to outlast it. Each is the median of ``--repeats``
+(300 logit_bias keys, four 256-character stop strings, 64 stop_token_ids, n at the default sequence cap, 32 unknown
+fields with 64-character names), streaming long enough to outlast it; and, for scale, n past that cap (the server
+runs with ``--max-sequences-per-request`` raised to ``N_FOR_SCALE``). Each is the median of ``--repeats``
 tries; the aggressor starts ``AGGRESSOR_LEAD_S`` before the victim and is hung up on after it. The target: every
 ratio at most 1.5x."""
 
@@ -24,14 +25,15 @@ from engine.serving.server import MAX_UNKNOWN_FIELD_CHARS, MAX_UNKNOWN_FIELDS, S
 from kvstorm.bench.doc import BenchReport
 
 TARGET_RATIO = 1.5
+N_FOR_SCALE = (4, 16)
 AGGRESSOR_LEAD_S = 0.5
 VICTIM_TOKENS = 32
 PROMPT = "The history of paged memory begins with"
 NOTE_ON_N = (
     "Each of a request's n sequences decodes in the same steps as the request beside it, as a separate request "
     "would (the plain request of the same length shows that cost for one): that is batching, not a per-token "
-    "overhead, and only a lower `--max-sequences-per-request` holds it to the target on a machine where "
-    "one more row costs this much."
+    "overhead, so the default `--max-sequences-per-request` is the largest n that keeps the target on this kind of "
+    "machine; the rows past it are for scale, with the server's cap raised."
 )
 
 
@@ -49,15 +51,15 @@ def add_bench_neighbours_parser(bench_subparsers: argparse._SubParsersAction) ->
 
 
 def aggressors(max_sequences: int = ServerConfig.max_sequences) -> dict[str, dict[str, Any]]:
-    """Per capped field, the fields of the worst request its cap allows (on top of a plain streamed request); n=2
-    beside n at the cap shows where batching alone crosses the target."""
+    """Per capped field, the fields of the worst request its cap allows (on top of a plain streamed request); n past
+    the cap shows where batching alone crosses the target."""
     stop = ["\u2603" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS  # never produced: matched against at every token
     return {
         f"logit_bias: {MAX_LOGIT_BIAS} keys": {"logit_bias": {str(t): 0.5 for t in range(1000, 1000 + MAX_LOGIT_BIAS)}},
         f"stop: {MAX_STOP_STRINGS} x {MAX_STOP_STRING_CHARS} characters": {"stop": stop},
         f"stop_token_ids: {MAX_STOP_TOKEN_IDS}": {"stop_token_ids": list(range(30000, 30000 + MAX_STOP_TOKEN_IDS))},
         f"n: {max_sequences} (the default --max-sequences-per-request)": {"n": max_sequences},
-        "n: 2": {"n": 2},
+        **{f"n: {n} (past the default cap, for scale)": {"n": n} for n in N_FOR_SCALE},
         f"unknown fields: {MAX_UNKNOWN_FIELDS} x {MAX_UNKNOWN_FIELD_CHARS} characters": {
             f"{i:02d}".ljust(MAX_UNKNOWN_FIELD_CHARS, "u"): i for i in range(MAX_UNKNOWN_FIELDS)
         },
@@ -103,10 +105,11 @@ async def measure(url: str, model: str, repeats: int, max_tokens: int) -> tuple[
 
 
 def run_bench_neighbours(args: argparse.Namespace) -> BenchReport:
-    with running_kvstorm(["--model", args.model, "--ttft-slo", "off", *shlex.split(args.server_args)]) as url:
+    serve_args = ["--model", args.model, "--ttft-slo", "off", "--max-sequences-per-request", str(max(N_FOR_SCALE))]
+    with running_kvstorm([*serve_args, *shlex.split(args.server_args)]) as url:
         alone, cases = asyncio.run(measure(url, args.model, args.repeats, args.aggressor_tokens))
     rows = [f"| {name} | {latency * 1e3:.0f} | {latency / alone:.2f}x |" for name, latency in cases.items()]
-    over = [name for name, latency in cases.items() if latency / alone > TARGET_RATIO]
+    over = [name for name, latency in cases.items() if latency / alone > TARGET_RATIO and "for scale" not in name]
     markdown = "\n".join(
         [
             f"A {VICTIM_TOKENS}-token greedy completion alone: **{alone * 1e3:.0f} ms** (median of {args.repeats}); "

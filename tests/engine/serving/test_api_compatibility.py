@@ -25,7 +25,8 @@ RECORDED = Path(__file__).parent / "recorded_client_requests.json"
 
 @pytest.fixture(scope="module")
 def server(real_model, real_tokenizer):
-    with running_server(make_engine(real_model, real_tokenizer)) as running:
+    # n up to 3 over two prompts: above the default --max-sequences-per-request, which protects neighbours.
+    with running_server(make_engine(real_model, real_tokenizer), max_sequences=16) as running:
         yield running
 
 
