@@ -187,8 +187,9 @@ def test_faults_refuse_unknown_names_and_bad_values_and_nothing_of_a_refused_upd
     engine = make_engine()
     for changes, message in (
         ({"oom": 1}, "unknown fault 'oom'"),
-        ({"fail_next_steps": -1}, "fail_next_steps must be an integer >= 0, got -1"),
-        ({"oom_above_batched_tokens": "8", "fail_next_steps": 2}, "oom_above_batched_tokens must be an integer >= 0"),
+        ({"fail_next_steps": -1}, r"fail_next_steps must be an integer in \[0, 1000000000\], got -1"),
+        ({"fail_next_steps": 10**9 + 1}, r"fail_next_steps must be an integer in \[0, 1000000000\]"),
+        ({"oom_above_batched_tokens": "8", "fail_next_steps": 2}, r"oom_above_batched_tokens must be an integer in \["),
         ({"kv_cap": {"fraction": 0.5}, "step_delay": -1}, r"step_delay must be a number of seconds in \[0, 60\]"),
         ({"kv_cap": {"fraction": 1.5}}, r"kv_cap.fraction must be a number in \[0, 1\]"),
         ({"kv_cap": {"blocks": 3, "fraction": 0.5}}, 'kv_cap must be {"blocks": N} or {"fraction": F} or null'),
