@@ -1,95 +1,177 @@
-"""One experiment against kvstorm in each preemption mode (recompute, swap, auto), back to back on identical load.
+"""One experiment against several targets, back to back on identical load, judged side by side.
 
-For each mode a fresh ``kvstorm serve --preemption-mode MODE`` is started with the same arguments, the experiment
-runs against it (same seed, so the same arrivals, prompts and lengths), and the server is stopped. The table puts
-the modes side by side: the verdict, the clients' latency, what preemption cost (blocks and bytes moved, tokens
-computed again) and goodput (ok requests per second that met every latency SLO of the experiment).
+A target is a server someone else runs (``NAME=URL``: kvstorm, vLLM, SGLang, TGI) or a configuration of kvstorm
+started here (``NAME=kvstorm serve ARGS``: a fresh server on a free loopback port, run, stopped). Each target gets
+the same experiment with the same configuration (so the same seed: the same arrivals, prompts and lengths), one
+after the other, each with its own results folder as ``kvstorm chaos run`` writes it. Then one comparison:
+
+    chaos-results/compare-<experiment>-<time>/
+        compare.md        the side-by-side table (every check, outcomes, latency, preemption, recovery, goodput)
+        report.html       that table, each target's verdict, and every target's timeline stacked on one time axis
+        <target>/         the target's own run folder (journal, verdict, report), and server.log when started here
 """
 
 from __future__ import annotations
 
+import html
 import os
 import secrets
-from collections.abc import Sequence
+import shlex
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.markup import escape
 
 from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.processes import ManagedServer, free_port
-from chaos.runner import ExperimentRun, run_experiment_file
-from loadgen.analysis import Slo, summarize
+from chaos.runner import REPORT_BUCKET_S, ExperimentRun, run_experiment_file
+from chaos.verdict_view import (
+    STATUS_WORDS,
+    Section,
+    format_value,
+    headline,
+    rich_tables,
+    sections_html,
+    sections_markdown,
+)
+from loadgen.analysis import LatencyStats, Slo, summarize
+from loadgen.records import Outcome
+from loadgen.report import write_stacked_report
+from loadgen.results import replacing, write_text_atomic
 
-MODES = ("recompute", "swap", "auto")
+# Options of ``kvstorm serve`` a started target may not set: the comparison picks its address.
+RESERVED_SERVER_OPTIONS = ("--port", "--host")
 
 
 @dataclass(frozen=True)
-class ModeRun:
-    mode: str
+class Target:
+    """``url``: a running server's base URL; None for a kvstorm this starts with ``server_args`` (``kvstorm serve``'s
+    options, without the port)."""
+
+    name: str
+    url: str | None = None
+    server_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"target name {self.name!r}: letters, digits, '-' and '_' only (it names a folder)")
+        reserved = [arg for arg in self.server_args if arg.split("=")[0] in RESERVED_SERVER_OPTIONS]
+        if reserved:
+            raise ValueError(f"target {self.name}: {', '.join(reserved)} is chosen by the comparison, not the target")
+
+    def describe(self) -> str:
+        return self.url if self.url is not None else shlex.join(["kvstorm", "serve", *self.server_args])
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    target: Target
     run: ExperimentRun
+    # Ok requests per second whose own latencies met every latency SLO the experiment states (None: no load, or no
+    # latency SLO).
     goodput: float | None
 
 
-def compare_preemption_modes(
+@dataclass(frozen=True)
+class Comparison:
+    runs: list[TargetRun]
+    results_dir: Path
+
+    @property
+    def exit_code(self) -> int:
+        """The worst of the runs': 0 when every target held, 1 when one missed a check, 2 when a run failed."""
+        return max(run.run.verdict.exit_code for run in self.runs)
+
+
+def parse_target(spec: str) -> Target:
+    """``NAME=URL``: a server someone else runs."""
+    name, url = _split(spec, "--target", "NAME=URL")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--target {spec!r}: the URL must start with http:// or https://")
+    return Target(name, url=url.rstrip("/"))
+
+
+def parse_server(spec: str) -> Target:
+    """``NAME=ARGS``, ARGS ``kvstorm serve``'s options, with or without a leading ``kvstorm serve``."""
+    name, command = _split(spec, "--server", "NAME='kvstorm serve ARGS'")
+    args = shlex.split(command)
+    if args[:2] == ["kvstorm", "serve"]:
+        args = args[2:]
+    return Target(name, server_args=tuple(args))
+
+
+def _split(spec: str, option: str, form: str) -> tuple[str, str]:
+    name, sep, value = spec.partition("=")
+    if not sep or not name or not value.strip():
+        raise ValueError(f"{option} {spec!r}: expected {form}")
+    return name, value.strip()
+
+
+def compare(
     experiment: Path,
-    modes: Sequence[str],
-    server_args: Sequence[str],
+    targets: Sequence[Target],
+    variables: Mapping[str, Any],
     results_root: Path,
-    model: str = "smollm2-135m",
     console: Console | None = None,
-) -> list[ModeRun]:
+    **run_options: Any,
+) -> Comparison:
+    """Run ``experiment`` against each target in turn (``variables``: its configuration, ``target_url`` set per
+    target; ``run_options``: ``run_experiment_file``'s SLO options), then write and print the comparison."""
     console = console or Console(stderr=True)
-    os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
+    names = [target.name for target in targets]
+    if len(set(names)) != len(names) or not names:
+        raise ValueError(f"a comparison needs targets with distinct names, got {names}")
+    results_dir = results_root / f"compare-{experiment.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     runs = []
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"preemption modes are {MODES}, got {mode!r}")
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        command = ["kvstorm", "serve", "--port", str(port), "--preemption-mode", mode, *server_args]
-        results_root.mkdir(parents=True, exist_ok=True)
-        server = ManagedServer(command, f"{base_url}/ready", log_path=results_root / f"server-{mode}.log")
-        console.print(f"[bold]--preemption-mode {mode}[/]: starting the server ...")
-        server.start()
-        try:
-            run = run_experiment_file(experiment, {"target_url": base_url, "model": model}, results_root, console)
-        finally:
-            server.stop()
-        runs.append(ModeRun(mode, run, _goodput(run)))
-    return runs
+    for target in targets:
+        console.print(f"[bold]{target.name}[/]: {escape(target.describe())}", highlight=False)
+        run = run_target(experiment, target, variables, results_dir / target.name, console, **run_options)
+        runs.append(TargetRun(target, run, goodput(run)))
+    comparison = Comparison(runs, results_dir)
+    write_comparison(comparison, experiment.stem)
+    console.print(Group(*rich_tables([side_by_side(runs)])))
+    for target_run in runs:
+        console.print(f"{target_run.target.name}: {headline(target_run.run.verdict)}", markup=False)
+    return comparison
 
 
-def comparison_markdown(runs: Sequence[ModeRun]) -> str:
-    header = (
-        "| mode | verdict | ok / broken / timed out | TTFT p50 / p99 s | TPOT p50 / p99 ms | E2E p50 / p99 s "
-        "| preemptions (swap / recompute) | swapped out | recomputed tokens | goodput req/s |"
-    )
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for mode_run in runs:
-        verdict = mode_run.run.verdict
-        load, activity = verdict.load, verdict.activity
-        if load is None or activity is None:
-            lines.append(f"| {mode_run.mode} | {verdict.status}: {verdict.reason} |")
-            continue
-        outcomes = load.outcomes
-        by_mode = activity.preemptions_by_mode
-        lines.append(
-            f"| {mode_run.mode} | {verdict.status} "
-            f"| {outcomes['ok']} / {outcomes['broken_stream']} / {outcomes['client_timeout']} "
-            f"| {_pair(load.ttft, 1)} | {_pair(load.tpot, 1e3)} | {_pair(load.e2e, 1)} "
-            f"| {activity.preemptions} ({by_mode.get('swap', 0)} / {by_mode.get('recompute', 0)}) "
-            f"| {activity.swapped_out_blocks} blocks, {activity.swapped_bytes / 2**20:.0f} MiB "
-            f"| {activity.recomputed_tokens} | {_number(mode_run.goodput)} |"
+def run_target(
+    experiment: Path,
+    target: Target,
+    variables: Mapping[str, Any],
+    results_root: Path,
+    console: Console,
+    **run_options: Any,
+) -> ExperimentRun:
+    """The experiment against one target; a kvstorm started for it is stopped whatever happens. A started server
+    gets ``$KVSTORM_ADMIN_TOKEN`` (a random one when unset), the token the experiment's engine faults send."""
+    if target.url is not None:
+        return run_experiment_file(
+            experiment, {**variables, "target_url": target.url}, results_root, console, **run_options
         )
-    return "\n".join(lines)
+    os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = ["kvstorm", "serve", "--port", str(port), *target.server_args]
+    server = ManagedServer(command, f"{url}/ready", log_path=results_root / "server.log")
+    ready_s = server.start()
+    console.print(f"{target.name}: ready on {url} in {ready_s:.1f} s", highlight=False)
+    try:
+        return run_experiment_file(experiment, {**variables, "target_url": url}, results_root, console, **run_options)
+    finally:
+        server.stop()
 
 
-def _goodput(run: ExperimentRun) -> float | None:
+def goodput(run: ExperimentRun) -> float | None:
     """Ok requests per second whose own latencies met every latency SLO the experiment states."""
+    hypothesis = run.journal["experiment"].get("steady-state-hypothesis") or {}
     slos = [
         Slo(metric=args["metric"], stat=args["stat"], threshold_s=float(probe["tolerance"]["range"][1]))
-        for probe in run.journal["experiment"]["steady-state-hypothesis"]["probes"]
+        for probe in hypothesis.get("probes", [])
         if probe["provider"].get("func") == "load_latency"
         for args in [probe["provider"]["arguments"]]
     ]
@@ -98,9 +180,141 @@ def _goodput(run: ExperimentRun) -> float | None:
     return summarize(run.load.records, run.load.summary.duration_s, slos).goodput
 
 
-def _pair(stats, scale: float) -> str:
-    return "-" if stats is None else f"{stats.p50 * scale:.2f} / {stats.p99 * scale:.2f}"
+def side_by_side(runs: Sequence[TargetRun]) -> Section:
+    """One column per target: its status, every check of the experiment (the value after the method, and whether
+    it was met), what its clients saw, what the server did, recovery and goodput. A check row is red when a target
+    missed it, green when every target met it."""
+    rows: list[tuple[str, ...]] = [("verdict", *(STATUS_WORDS[run.run.verdict.status] for run in runs))]
+    marks: list[bool | None] = [None]
+    for name, expectation in _check_names(runs):
+        cells, met = zip(*(_check_cell(run, name) for run in runs), strict=True)
+        rows.append((f"{name} ({expectation})", *cells))
+        marks.append(False if False in met else True if all(met) else None)
+    for label, value in _FIGURES:
+        rows.append((label, *(value(run) for run in runs)))
+        marks.append(None)
+    return Section(
+        "Side by side (each target: the same experiment, the same seeded load)", ("", *_names(runs)), rows, marks
+    )
+
+
+def _names(runs: Sequence[TargetRun]) -> list[str]:
+    return [run.target.name for run in runs]
+
+
+def _check_names(runs: Sequence[TargetRun]) -> list[tuple[str, str]]:
+    """Every check any run has, in the order of the first run that has it."""
+    seen: dict[str, str] = {}
+    for run in runs:
+        for check in run.run.verdict.checks:
+            seen.setdefault(check.name, check.expectation)
+    return list(seen.items())
+
+
+def _check_cell(run: TargetRun, name: str) -> tuple[str, bool | None]:
+    check = next((check for check in run.run.verdict.checks if check.name == name), None)
+    if check is None:
+        return "-", None
+    if check.met_before is False:
+        return f"{format_value(check.before)} FAIL before", False
+    if check.met is None:
+        return "not run", None
+    return f"{format_value(check.after)} {'pass' if check.met else 'FAIL'}", check.met
+
+
+def _outcomes(run: TargetRun) -> str:
+    load = run.run.verdict.load
+    if load is None:
+        return "-"
+    counts = load.outcomes
+    return " / ".join(
+        str(counts[outcome])
+        for outcome in (Outcome.OK, Outcome.BROKEN_STREAM, Outcome.CLIENT_TIMEOUT, Outcome.REJECTED)
+    )
+
+
+def _latency(metric: str, scale: float) -> Any:
+    def cell(run: TargetRun) -> str:
+        load = run.run.verdict.load
+        stats: LatencyStats | None = None if load is None else getattr(load, metric)
+        return "-" if stats is None else f"{stats.p50 * scale:.2f} / {stats.p99 * scale:.2f}"
+
+    return cell
+
+
+def _preemptions(run: TargetRun) -> str:
+    activity = run.run.verdict.activity
+    if activity is None:
+        return "-"
+    by_mode = activity.preemptions_by_mode
+    return f"{activity.preemptions} ({by_mode.get('swap', 0)} / {by_mode.get('recompute', 0)})"
+
+
+def _swapped(run: TargetRun) -> str:
+    activity = run.run.verdict.activity
+    if activity is None:
+        return "-"
+    return f"{activity.swapped_out_blocks} blocks, {activity.swapped_bytes / 2**20:.0f} MiB"
+
+
+def _recomputed(run: TargetRun) -> str:
+    activity = run.run.verdict.activity
+    return "-" if activity is None else str(activity.recomputed_tokens)
+
+
+def _recovery(run: TargetRun) -> str:
+    verdict = run.run.verdict
+    if not verdict.fault_windows:
+        return "no fault"
+    return "not within the load" if verdict.recovery_s is None else f"{verdict.recovery_s:.1f} s"
 
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+# The rows after the checks: a label and what a run shows in it.
+_FIGURES = (
+    ("requests ok / broken / timed out / rejected", _outcomes),
+    ("TTFT p50 / p99 s", _latency("ttft", 1.0)),
+    ("ITL p50 / p99 ms", _latency("itl", 1e3)),
+    ("TPOT p50 / p99 ms", _latency("tpot", 1e3)),
+    ("E2E p50 / p99 s", _latency("e2e", 1.0)),
+    ("preemptions (swap / recompute)", _preemptions),
+    ("swapped out", _swapped),
+    ("tokens recomputed", _recomputed),
+    ("time to recover", _recovery),
+    ("goodput req/s (ok, within the latency checks)", lambda run: _number(run.goodput)),
+)
+
+
+def comparison_markdown(runs: Sequence[TargetRun]) -> str:
+    targets = "\n".join(f"- `{run.target.name}`: `{run.target.describe()}`" for run in runs)
+    verdicts = "\n".join(f"- `{run.target.name}`: {headline(run.run.verdict)}" for run in runs)
+    return f"{targets}\n\n{sections_markdown([side_by_side(runs)])}\n\n{verdicts}"
+
+
+def write_comparison(comparison: Comparison, experiment_name: str) -> None:
+    """``compare.md`` and ``report.html`` (each verdict linked to its run's report, the table, the stacked
+    timelines) in the comparison's folder, each written whole or not at all."""
+    runs, folder = comparison.runs, comparison.results_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / "compare.md", comparison_markdown(runs) + "\n")
+    verdicts = "".join(_verdict_item(run, folder) for run in runs)
+    with replacing(folder / "report.html") as report:
+        write_stacked_report(
+            [(run.target.name, run.run.load) for run in runs],
+            report,
+            bucket_s=REPORT_BUCKET_S,
+            title=f"kvstorm chaos compare: {experiment_name}",
+            heading_html=f"<ul>{verdicts}</ul>{sections_html([side_by_side(runs)])}",
+        )
+
+
+def _verdict_item(run: TargetRun, folder: Path) -> str:
+    link = Path(os.path.relpath(run.run.report_path, folder)).as_posix()
+    return (
+        f"<li class='{'met' if run.run.verdict.held else 'missed'}'><b>{html.escape(run.target.name)}</b> "
+        f"(<code>{html.escape(run.target.describe())}</code>): {html.escape(headline(run.run.verdict))} "
+        f"<a href='{html.escape(link)}'>its report</a></li>"
+    )

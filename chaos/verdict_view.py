@@ -1,4 +1,5 @@
-"""A verdict as tables: one list of sections, rendered for the terminal (rich), markdown and the HTML report."""
+"""A verdict as tables: one list of sections, rendered for the terminal (rich), markdown and the HTML report (the
+renderers take any sections: ``chaos.compare``'s side-by-side table is one)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from chaos.disconnects import NOT_EXPORTED
 from chaos.verdict import Check, Verdict
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
@@ -46,8 +48,8 @@ def sections(verdict: Verdict) -> list[Section]:
         result.append(_slos(verdict))
     if verdict.storms:
         keys = tuple(verdict.storms[0])
-        rows = [tuple(_cell(storm[key]) for key in keys) for storm in verdict.storms]
-        marks = [not (storm["leaked"] or storm["aborts_missing"]) for storm in verdict.storms]
+        rows = [tuple(format_value(storm[key]) for key in keys) for storm in verdict.storms]
+        marks = [not (storm["leaked"] or storm["aborts_missing"] not in (0, NOT_EXPORTED)) for storm in verdict.storms]
         result.append(Section("Disconnect storms", keys, rows, marks))
     result.append(_timeline(verdict))
     return result
@@ -59,30 +61,44 @@ def headline(verdict: Verdict) -> str:
 
 
 def print_verdict(verdict: Verdict, console: Console) -> None:
+    style = "bold green" if verdict.held else "bold red"
+    console.print(Group(*rich_tables(sections(verdict)), Text(headline(verdict), style=style)))
+
+
+def to_markdown(verdict: Verdict) -> str:
+    return "\n\n".join([f"**{headline(verdict)}**", sections_markdown(sections(verdict))])
+
+
+def to_html(verdict: Verdict) -> str:
+    heading = f"<h2 class='{'met' if verdict.held else 'missed'}'>{html.escape(headline(verdict))}</h2>"
+    return heading + sections_html(sections(verdict))
+
+
+def rich_tables(shown: list[Section]) -> list[Table]:
+    """Each section as a terminal table, each row coloured by its mark."""
     tables = []
-    for section in sections(verdict):
+    for section in shown:
         table = Table(title=section.title, title_justify="left", header_style="bold")
         for column in section.header:
             table.add_column(column)
         for row, mark in zip(section.rows, section.marks, strict=True):
             table.add_row(*row, style={True: "green", False: "red", None: ""}[mark])
         tables.append(table)
-    style = "bold green" if verdict.held else "bold red"
-    console.print(Group(*tables, Text(headline(verdict), style=style)))
+    return tables
 
 
-def to_markdown(verdict: Verdict) -> str:
-    parts = [f"**{headline(verdict)}**"]
-    for section in sections(verdict):
+def sections_markdown(shown: list[Section]) -> str:
+    parts = []
+    for section in shown:
         lines = [f"| {' | '.join(section.header)} |", "|" + "---|" * len(section.header)]
         lines += [f"| {' | '.join(row)} |" for row in section.rows]
         parts.append(f"{section.title}:\n\n" + "\n".join(lines))
     return "\n\n".join(parts)
 
 
-def to_html(verdict: Verdict) -> str:
-    parts = [f"<h2 class='{'met' if verdict.held else 'missed'}'>{html.escape(headline(verdict))}</h2>"]
-    for section in sections(verdict):
+def sections_html(shown: list[Section]) -> str:
+    parts = []
+    for section in shown:
         header = "".join(f"<th>{html.escape(column)}</th>" for column in section.header)
         rows = "".join(
             f"<tr class='{ {True: 'met', False: 'missed', None: ''}[mark] }'>"
@@ -97,7 +113,9 @@ def to_html(verdict: Verdict) -> str:
 def _checks(verdict: Verdict) -> Section:
     rows, marks = [], []
     for check in verdict.checks:
-        rows.append((check.name, check.expectation, _cell(check.before), _cell(check.after), _check_result(check)))
+        rows.append(
+            (check.name, check.expectation, format_value(check.before), format_value(check.after), _check_result(check))
+        )
         marks.append(False if check.met_before is False else check.met)
     return Section(
         "Steady state (before: calm baseline; after: the experiment's load)",
@@ -196,7 +214,7 @@ def _timeline(verdict: Verdict) -> Section:
     return Section("Faults and recovery", ("", "duration"), rows, [None] * len(rows))
 
 
-def _cell(value: Any) -> str:
+def format_value(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, bool):  # as the expectations write them

@@ -2,19 +2,21 @@
 
 One figure shares the run's time axis (seconds since the start): arrival rate, outcomes, latency percentiles and,
 when a Prometheus URL was given, the server's KV usage, running / waiting / swapped requests and preemption rate;
-fault windows are shaded bands across all of it. A second figure holds the latency CDFs.
+fault windows are shaded bands across all of it. A second figure holds the latency CDFs. A stacked report puts
+several runs' timelines one above the other on one time axis (``kvstorm chaos compare``).
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from loadgen.analysis import LatencyStats, time_series
+from loadgen.analysis import LatencyStats, TimeSeries, time_series
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 
@@ -27,6 +29,24 @@ OUTCOME_COLORS = {
 PERCENTILE_DASH = {"p50": "solid", "p90": "dash", "p99": "dot"}
 LATENCY_ROWS = (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms"), ("e2e", "E2E ms"))
 SERVER_ROWS = (("KV cache usage",), ("running", "waiting", "swapped"), ("preemptions/s",))
+# The rows of each run in a stacked report, and the server series a row needs (none: the load's own).
+STACKED_ROWS = (
+    ("outcomes per bucket", ()),
+    ("TTFT / ITL ms", ()),
+    ("KV cache usage", ("KV cache usage",)),
+    ("running / waiting / swapped", ("running", "waiting", "swapped")),
+    ("preemptions/s", ("preemptions/s",)),
+)
+# One colour per series in every run's rows of a stacked report, so the runs read alike.
+STACKED_COLORS = {
+    "ttft": "#1f77b4",
+    "itl": "#ff7f0e",
+    "KV cache usage": "#9467bd",
+    "running": "#2ca02c",
+    "waiting": "#d62728",
+    "swapped": "#8c564b",
+    "preemptions/s": "#17becf",
+}
 
 
 def write_report(
@@ -44,6 +64,93 @@ def write_report(
             _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
         ]
     title = title or ("kvstorm report" if result is None else f"kvstorm bench serve {result.run_id}")
+    _write_page(path, title, parts)
+
+
+def write_stacked_report(
+    results: Sequence[tuple[str, RunResult | None]], path: Path, bucket_s: float = 1.0, *, title: str, heading_html: str
+) -> None:
+    """Several runs in one page (``kvstorm chaos compare``): ``heading_html`` on top, then each named run's timeline
+    stacked over the others' on one time axis, seconds since each run's own load start (``stacked_timeline``)."""
+    shown = [(name, result) for name, result in results if result is not None]
+    parts = [heading_html]
+    if shown:
+        parts.append(stacked_timeline(shown, bucket_s).to_html(full_html=False, include_plotlyjs=True))
+    missing = [name for name, result in results if result is None]
+    if missing:
+        parts.append(f"<p>No load ran for {html.escape(', '.join(missing))}, so there is no timeline of it.</p>")
+    _write_page(path, title, parts)
+
+
+def stacked_timeline(results: Sequence[tuple[str, RunResult]], bucket_s: float) -> go.Figure:
+    """One figure, ``STACKED_ROWS`` rows per run (those its data fills), every row on the same x axis; each run's
+    fault windows shade its own rows only."""
+    rows = [(name, result, label) for name, result in results for label in _stacked_rows(result)]
+    titles = [f"{name}: {label}" for name, _, label in rows]
+    fig = make_subplots(
+        rows=len(rows), cols=1, shared_xaxes=True, subplot_titles=titles, vertical_spacing=0.2 / len(rows)
+    )
+    for index, (name, result, label) in enumerate(rows, start=1):
+        series = time_series(result.records, result.summary.duration_s, bucket_s)
+        x = [start + bucket_s / 2 for start in series.start_s]
+        for trace in _stacked_traces(label, name, result, series, x):
+            trace.legendgroup = name  # the legend lists each run's traces together, in the runs' order
+            fig.add_trace(trace, row=index, col=1)
+        if label == "TTFT / ITL ms":  # a queued TTFT of seconds and a decode gap of milliseconds on one axis
+            fig.update_yaxes(type="log", row=index, col=1)
+        for window in result.fault_windows:
+            x0, x1 = window.start_unix - result.start_unix, window.end_unix - result.start_unix
+            fig.add_vrect(x0=x0, x1=x1, fillcolor="#d62728", opacity=0.15, line_width=0, row=index, col=1)
+    height = 200 * len(rows) + 120
+    fig.update_layout(
+        barmode="stack",
+        height=height,
+        title="Over time (seconds since each run's load start)",
+        legend={"traceorder": "grouped", "groupclick": "toggleitem"},
+    )
+    fig.update_xaxes(title_text="seconds since the load's start", row=len(rows), col=1)
+    return fig
+
+
+def _stacked_rows(result: RunResult) -> list[str]:
+    names = {s.name for s in result.prometheus}
+    return [label for label, needs in STACKED_ROWS if not needs or names & set(needs)]
+
+
+def _stacked_traces(
+    label: str, name: str, result: RunResult, series: TimeSeries, x: list[float]
+) -> list[go.BaseTraceType]:
+    """The traces of one row of ``stacked_timeline``; outcome colours and server series are the single report's."""
+    if label == "outcomes per bucket":
+        return [
+            go.Bar(x=x, y=counts, name=f"{name}: {outcome.value}", marker_color=OUTCOME_COLORS[outcome])
+            for outcome, counts in series.outcomes.items()
+        ]
+    if label == "TTFT / ITL ms":
+        return [
+            go.Scatter(
+                x=x,
+                y=[None if v is None else v * 1e3 for v in getattr(series, metric)[stat]],
+                name=f"{name}: {metric} {stat}",
+                line={"dash": PERCENTILE_DASH[stat], "color": STACKED_COLORS[metric]},
+            )
+            for metric in ("ttft", "itl")
+            for stat in ("p50", "p99")
+        ]
+    needs = dict(STACKED_ROWS)[label]
+    return [
+        go.Scatter(
+            x=[t - result.start_unix for t, _ in s.points],
+            y=[v for _, v in s.points],
+            name=f"{name}: {s.name}",
+            line={"color": STACKED_COLORS[s.name]},
+        )
+        for s in result.prometheus
+        if s.name in needs
+    ]
+
+
+def _write_page(path: Path, title: str, parts: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
@@ -155,4 +262,5 @@ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; margin: 0.5em 0; }
 td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: right; }
 tr.missed td { background: #fdd; } tr.met td { background: #dfd; }
+li.missed { color: #a00; } li.met { color: #070; }
 """

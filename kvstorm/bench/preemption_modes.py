@@ -1,5 +1,5 @@
 """``kvstorm bench preemption-modes``: one chaos experiment against kvstorm in recompute, swap and auto mode, on
-identical load, in one table (``chaos.compare``)."""
+identical load, in one table: a ``kvstorm chaos compare`` of one started kvstorm per mode (``chaos.compare``)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import argparse
 import shlex
 from pathlib import Path
 
-from chaos.compare import MODES, compare_preemption_modes, comparison_markdown
+from chaos.compare import Target, compare, comparison_markdown
 from chaos.runner import resolve_experiment
 from kvstorm.bench.doc import BenchReport
 
+MODES = ("recompute", "swap", "auto")
 DEFAULT_EXPERIMENT = "swap-pressure-slow-host-link"
 DEFAULT_SERVER_ARGS = "--num-kv-blocks 88 --swap-space 256MiB"
 
@@ -26,16 +27,27 @@ def add_bench_preemption_modes_parser(bench_subparsers: argparse._SubParsersActi
     parser.add_argument("--results-dir", type=Path, default=Path("chaos-results"))
 
 
+def mode_targets(modes: str, server_args: str) -> list[Target]:
+    """One started kvstorm per mode, named after it: ``server_args`` and ``--preemption-mode MODE``."""
+    targets = []
+    for mode in modes.split(","):
+        if mode not in MODES:
+            raise ValueError(f"preemption modes are {MODES}, got {mode!r}")
+        targets.append(Target(mode, server_args=(*shlex.split(server_args), "--preemption-mode", mode)))
+    return targets
+
+
 def run_bench_preemption_modes(args: argparse.Namespace) -> BenchReport:
     experiment = resolve_experiment(args.experiment)
-    runs = compare_preemption_modes(experiment, args.modes.split(","), shlex.split(args.server_args), args.results_dir)
+    comparison = compare(
+        experiment, mode_targets(args.modes, args.server_args), {"model": "smollm2-135m"}, args.results_dir
+    )
     markdown = (
         f"Experiment `{experiment.stem}` against `kvstorm serve {args.server_args} --preemption-mode MODE`, "
         "one fresh server per mode, back to back, the same seed (identical arrivals, prompts and lengths). "
         "Goodput: ok requests per second whose own latencies met every latency SLO of the experiment.\n\n"
-        + comparison_markdown(runs)
+        + comparison_markdown(comparison.runs)
     )
-    for run in runs:
-        print(f"{run.mode}: {run.run.results_dir / 'report.html'}")
-    failures = [run.mode for run in runs if run.run.verdict.exit_code == 2]
+    print(f"report: {comparison.results_dir / 'report.html'}")
+    failures = [run.target.name for run in comparison.runs if run.run.verdict.exit_code == 2]
     return BenchReport(markdown, failures=failures)
