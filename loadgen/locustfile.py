@@ -13,8 +13,8 @@ client timeout, with the reason. Users loop without waiting; the load is the num
 Streams are checked by the same tracker as ``kvstorm bench serve`` (SSE framing, finish reason, ``[DONE]``, usage
 against tokens delivered). The read blocks, so a stall cannot be cut while it happens: a gap longer than
 ``--stall-timeout`` is reported when the stream ends, and a server that never answers hits ``--request-timeout``.
-gevent lives only in this file's process: nothing else in ``loadgen`` imports locust. The web UI asks for a login
-where compose publishes it beyond loopback (``loadgen/web_login.py``).
+gevent lives only in this file's process: nothing else in ``loadgen`` imports locust. The web UI binds 127.0.0.1 by
+default and asks for a login wherever it may be reached from another machine (``loadgen/web_login.py``).
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ this module is that login: one user, ``kvstorm``, whose password is ``$KVSTORM_L
 constant time, never logged). There is no committed password: with the login on and none set, the master refuses
 to start.
 
-The login is on by default where the deployment says its ports are published beyond loopback: compose passes
-``$KVSTORM_PUBLISHED_ON`` (``${KVSTORM_BIND_ADDRESS:-127.0.0.1}``) into the containers, the same declaration
-kvstorm/exposure.py reads for the engine and the controller. ``--web-login`` (``$LOCUST_WEB_LOGIN``) turns it on
-anywhere else. flask is imported only when the login is installed; nothing here imports locust.
+The web UI binds 127.0.0.1 unless ``--web-host`` says otherwise (Locust's own default is every interface). The login
+is on by default wherever the UI may be reached from another machine: ``--web-host`` beyond loopback, unless the
+deployment says its ports are published on loopback only (compose passes ``$KVSTORM_PUBLISHED_ON``,
+``${KVSTORM_BIND_ADDRESS:-127.0.0.1}``, into the containers: the same rule kvstorm/exposure.py applies to the engine
+and the controller). ``--web-login`` (``$LOCUST_WEB_LOGIN``) turns it on anywhere else. flask is imported only when
+the login is installed; nothing here imports locust.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import ipaddress
 import os
 import secrets
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 PUBLISHED_ON_ENV = "KVSTORM_PUBLISHED_ON"
+LOOPBACK = "127.0.0.1"
 PASSWORD_ENV = "KVSTORM_LOCUST_PASSWORD"
 USERNAME = "kvstorm"
 CALLBACK_PATH = "/kvstorm-login"
@@ -42,10 +45,31 @@ def is_published_beyond_loopback(environ: Mapping[str, str] = os.environ) -> boo
     return bool(published_on) and not is_loopback(published_on)
 
 
-def add_arguments(parser, environ: Mapping[str, str] = os.environ) -> None:
-    """Locust's ``--web-login`` on by default where the ports are published beyond loopback."""
-    if is_published_beyond_loopback(environ):
+def add_arguments(parser, environ: Mapping[str, str] = os.environ, argv: Sequence[str] | None = None) -> None:
+    """The web UI on loopback by default, and Locust's ``--web-login`` on by default where it may be reached."""
+    parser.set_defaults(web_host=LOOPBACK)
+    if is_web_ui_exposed(_given_web_host(sys.argv[1:] if argv is None else argv, environ), environ):
         parser.set_defaults(web_login=True)
+
+
+def is_web_ui_exposed(web_host: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether a web UI bound to ``web_host`` may be reached from another machine (see the module's docstring)."""
+    if is_published_beyond_loopback(environ):
+        return True
+    published_on = environ.get(PUBLISHED_ON_ENV, "")
+    return not is_loopback(web_host) and not (published_on and is_loopback(published_on))
+
+
+def _given_web_host(argv: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The web host the command line (or $LOCUST_WEB_HOST) names, else this module's loopback default. Read before
+    Locust parses its options, because the login's default must be set before then."""
+    for index, arg in enumerate(argv):
+        if arg == "--web-host" and index + 1 < len(argv):
+            return argv[index + 1] or "0.0.0.0"
+        if arg.startswith("--web-host="):
+            return arg.split("=", 1)[1] or "0.0.0.0"
+    given = environ.get("LOCUST_WEB_HOST")
+    return LOOPBACK if given is None else given or "0.0.0.0"  # Locust reads "" as every interface
 
 
 def install(web_ui, environ: Mapping[str, str] = os.environ) -> None:

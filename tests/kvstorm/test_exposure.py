@@ -20,6 +20,7 @@ from kvstorm.exposure import (
     is_exposed,
     is_loopback,
 )
+from loadgen import web_login
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN_DEFAULT = COMMITTED_DEFAULTS["KVSTORM_ADMIN_TOKEN"]
@@ -156,3 +157,29 @@ def test_kvstorm_chaos_serve_starts_on_loopback_or_with_a_token_of_ones_own(monk
     refused = parser.parse_args([*common, "--host", "0.0.0.0", "--token", CHAOS_DEFAULT])
     assert refused.handler(refused) == 2
     assert len(started) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "exposed"),
+    [
+        ([], {}, False),  # the locustfile's default: 127.0.0.1
+        (["--web-host", "0.0.0.0"], {}, True),
+        (["--web-host="], {}, True),  # Locust reads "" as every interface
+        ([], {"LOCUST_WEB_HOST": "192.168.1.5"}, True),
+        (["--web-host", "0.0.0.0"], {PUBLISHED_ON_ENV: "127.0.0.1"}, False),  # compose, published on loopback
+        (["--web-host", "0.0.0.0"], {PUBLISHED_ON_ENV: "0.0.0.0"}, True),
+    ],
+)
+def test_locusts_web_ui_asks_for_a_login_wherever_it_may_be_reached(argv, environ, exposed):
+    assert web_login.is_web_ui_exposed(web_login._given_web_host(argv, environ), environ) is exposed
+
+
+def test_locust_bound_beyond_loopback_without_a_password_refuses_to_start(tmp_path):
+    locustfile = REPO / "loadgen" / "locustfile.py"
+    command = [sys.executable, "-m", "locust", "-f", str(locustfile), "--web-host", "0.0.0.0", "--web-port", "0",
+               "--host", "http://127.0.0.1:9", "--model", "m"]  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if k not in (web_login.PASSWORD_ENV, PUBLISHED_ON_ENV)}
+    result = subprocess.run(command, cwd=tmp_path, env={**environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode != 0
+    assert "refusing to start: the web UI's login is on" in result.stdout + result.stderr
