@@ -5,6 +5,7 @@ written whole or not at all. No engine is needed: every request here is refused,
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,11 +14,14 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from rich.console import Console
 
 from chaos.controller.parameters import OPERATOR_PARAMETERS, RESERVED_PARAMETERS, SCHEMAS, check_overrides
 from chaos.controller.runs import load_library
 from chaos.processes import ManagedServer, free_port
-from chaos.runner import EXPERIMENTS_DIR
+from chaos.runner import EXPERIMENTS_DIR, _write_results
+from chaos.state import reset
+from chaos.verdict import Verdict
 from loadgen.results import replacing, write_text_atomic
 from tests.chaos.test_experiments import SHORT
 
@@ -200,3 +204,22 @@ def test_the_atomic_writer_leaves_the_old_file_or_the_whole_new_one(tmp_path):
     with pytest.raises(NotADirectoryError):
         write_text_atomic(tmp_path / "verdict.md" / "inside-a-file", "x")
     assert [p.name for p in tmp_path.iterdir()] == ["verdict.md"]
+
+
+def test_results_that_cannot_be_written_are_named_not_raised(tmp_path):
+    """The verdict event carries what _write_results returns: a results folder that cannot be written costs the run
+    its files, never its verdict."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    verdict = Verdict(title="t", status="held", reason="every steady-state check was met", checks=[])
+    error = _write_results(
+        verdict, {"status": "completed"}, reset(), blocker / "run", None, Console(file=io.StringIO())
+    )
+    assert error is not None
+    assert "results not written" in error
+    assert "NotADirectoryError" in error
+    written = tmp_path / "run"
+    written.mkdir()
+    assert _write_results(verdict, {"status": "completed"}, reset(), written, None, Console(file=io.StringIO())) is None
+    assert "HELD" in (written / "verdict.md").read_text()
+    assert "HELD" in (written / "report.html").read_text()
