@@ -64,6 +64,7 @@ ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
 LIFECYCLE = web.AppKey("lifecycle", "Lifecycle")
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered even when draining or at the connection cap
+DRAINING = "the server is shutting down: it finishes the streams in flight and takes no new request"
 
 
 @dataclass(frozen=True)
@@ -197,8 +198,7 @@ async def _gate_middleware(request: web.Request, handler) -> web.StreamResponse:
         return await handler(request)
     lifecycle, config = request.app[LIFECYCLE], request.app[SERVER_CONFIG]
     if lifecycle.is_draining:
-        raise ApiError(503, "the server is shutting down: it finishes the streams in flight and takes no new request",
-                       error_type="server_error", headers={"Retry-After": "5"}, reason="draining")  # fmt: skip
+        raise ApiError(503, DRAINING, error_type="server_error", headers={"Retry-After": "5"}, reason="draining")
     num_connections = lifecycle.count_connections()
     if num_connections > config.max_connections:
         message = f"{num_connections} connections are open, more than this server takes ({config.max_connections})"
@@ -280,10 +280,7 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     prompts = body.prompts()
-    max_sequences = request.app[SERVER_CONFIG].max_sequences
-    if len(prompts) * body.n > max_sequences:
-        message = f"{len(prompts)} prompts x n={body.n} = {len(prompts) * body.n} sequences; at most {max_sequences}"
-        raise ApiError(400, message + " per request (--max-sequences-per-request)", "n")
+    _check_num_sequences(request, len(prompts), body.n)
     choices = [prompt for prompt in prompts for _ in range(body.n)]
     params_list = _per_choice(params, len(prompts), body.n)
     return await _generate(request, body, "cmpl", choices, params_list, async_engine, ignored, arrival_ts)
@@ -302,9 +299,18 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
         params = body.sampling_params(default_max_tokens)
     except ValueError as error:
         raise ApiError(400, str(error)) from None
+    _check_num_sequences(request, 1, body.n)
     params_list = _per_choice(params, 1, body.n)
     prompts = [prompt_ids] * body.n
     return await _generate(request, body, "chatcmpl", prompts, params_list, async_engine, ignored, arrival_ts)
+
+
+def _check_num_sequences(request: web.Request, num_prompts: int, n: int) -> None:
+    """One request's sequences (prompts x n) within ``ServerConfig.max_sequences``, on either route."""
+    max_sequences = request.app[SERVER_CONFIG].max_sequences
+    if num_prompts * n > max_sequences:
+        message = f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences; at most {max_sequences}"
+        raise ApiError(400, message + " per request (--max-sequences-per-request)", "n")
 
 
 def _per_choice(params: SamplingParams, num_prompts: int, n: int) -> list[SamplingParams]:
@@ -561,7 +567,7 @@ async def _ready(request: web.Request) -> web.Response:
     if async_engine.is_paused:
         reasons.append("the engine is paused by an admin")
     if request.app[LIFECYCLE].is_draining:
-        reasons.append("the server is shutting down: it finishes the streams in flight and takes no new request")
+        reasons.append(DRAINING)
     frozen_s = async_engine.freeze_remaining_s
     if frozen_s is not None:
         reasons.append(f"the engine loop is frozen by a fault for {frozen_s:.1f} s more")

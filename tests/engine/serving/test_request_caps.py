@@ -52,6 +52,14 @@ def test_a_field_past_its_cap_gets_a_400_naming_it(server, param, fields, fragme
     assert fragment in error["message"]
 
 
+def test_the_sequence_cap_holds_on_the_chat_route_too(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 3}
+    response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"
+    assert "1 prompts x n=3 = 3 sequences; at most 2" in response.json()["error"]["message"]
+
+
 def test_at_their_caps_the_fields_are_served(server):
     fields = {"logit_bias": {str(t): 1.0 for t in range(MAX_LOGIT_BIAS)}, "stop": ["y" * MAX_STOP_STRING_CHARS] * 4,
               "stop_token_ids": list(range(1, MAX_STOP_TOKEN_IDS + 1)), "prompt": [[1, 2]], "n": 2}  # fmt: skip
