@@ -114,7 +114,8 @@ class EngineFaults:
 
     def before_forward(self, output: SchedulerOutput) -> None:
         """The step's slowness, then its out-of-memory faults."""
-        _sleep_while_wanted(lambda: self.step_delay)
+        if self.step_delay:
+            _sleep_while_wanted(lambda: self.step_delay)
         if self.fail_next_steps > 0:
             self.fail_next_steps -= 1
             raise torch.OutOfMemoryError(f"injected: out of memory in a step of {output.num_batched_tokens} tokens")
@@ -125,7 +126,8 @@ class EngineFaults:
             )
 
     def delay_block_moves(self, num_blocks: int) -> None:
-        _sleep_while_wanted(lambda: min(MAX_DELAY_S, self.swap_delay_per_block * num_blocks))
+        if self.swap_delay_per_block and num_blocks:
+            _sleep_while_wanted(lambda: min(MAX_DELAY_S, self.swap_delay_per_block * num_blocks))
 
 
 def _sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
