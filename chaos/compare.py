@@ -27,7 +27,7 @@ from rich.console import Console, Group
 from rich.markup import escape
 
 from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import running_kvstorm
 from chaos.runner import REPORT_BUCKET_S, ExperimentRun, run_experiment_file
 from chaos.verdict_view import (
     STATUS_WORDS,
@@ -154,16 +154,9 @@ def run_target(
             experiment, {**variables, "target_url": target.url}, results_root, console, **run_options
         )
     os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = ["kvstorm", "serve", "--port", str(port), *target.server_args]
-    server = ManagedServer(command, f"{url}/ready", log_path=results_root / "server.log")
-    ready_s = server.start()
-    console.print(f"{target.name}: ready on {url} in {ready_s:.1f} s", highlight=False)
-    try:
+    with running_kvstorm(target.server_args, results_root / "server.log") as url:
+        console.print(f"{target.name}: ready on {url}", highlight=False)
         return run_experiment_file(experiment, {**variables, "target_url": url}, results_root, console, **run_options)
-    finally:
-        server.stop()
 
 
 def goodput(run: ExperimentRun) -> float | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from chaos import compare as compare_module
+from chaos import processes as processes_module
 from chaos.compare import Comparison, Target, TargetRun, compare, parse_server, parse_target, side_by_side
 from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.metrics import EngineActivity
@@ -237,7 +238,7 @@ def test_each_target_runs_in_turn_and_a_started_server_is_stopped(tmp_path, monk
         return held
 
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "kept")
-    monkeypatch.setattr(compare_module, "ManagedServer", FakeServer)
+    monkeypatch.setattr(processes_module, "ManagedServer", FakeServer)  # under chaos.processes.running_kvstorm
     monkeypatch.setattr(compare_module, "run_experiment_file", fake_run)
     targets = [Target("theirs", url="http://127.0.0.1:1"), Target("mine", server_args=("--preemption-mode", "swap"))]
     comparison = compare(EXPERIMENT, targets, {"seed": 7}, tmp_path)
