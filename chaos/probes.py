@@ -105,12 +105,15 @@ def slo_burn_rate(slo: str, load: str = "main", configuration: Mapping[str, Any]
 
 def preemptions(load: str = "main", mode: str | None = None) -> int:
     """Preemptions while the load ran (``mode``: swap or recompute, kvstorm only; all of them otherwise)."""
-    activity = _activity(load)
-    return activity.preemptions if mode is None else activity.preemptions_by_mode.get(mode, 0)
+    if mode is None:
+        return _activity(load).preemptions
+    _require_series(load, "kvstorm:preemptions_total")
+    return _activity(load).preemptions_by_mode.get(mode, 0)
 
 
 def swapped_out_blocks(load: str = "main") -> int:
     """KV blocks swapped out to host memory while the load ran (kvstorm)."""
+    _require_series(load, "kvstorm:swap_blocks_total")
     return _activity(load).swapped_out_blocks
 
 
@@ -127,6 +130,13 @@ def _slo_result(name: str, load: str, configuration: Mapping[str, Any] | None) -
     if name not in slos:
         raise ValueError(f"unknown SLO {name!r}; the spec has {', '.join(slos)}")
     return evaluate(slos[name], load_for_probe(load, configuration))
+
+
+def _require_series(load: str, name: str) -> None:
+    """A kvstorm-only series the probe reads: a server without it fails the probe, never passes it on a zero."""
+    _activity(load)  # the load ran to its end
+    if not current().loads[load].metrics_after.has(name):
+        raise RuntimeError(f"not exported by this server: {name}")
 
 
 def _activity(load: str) -> EngineActivity:

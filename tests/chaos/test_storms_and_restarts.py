@@ -10,7 +10,9 @@ import requests
 
 from chaos.disconnects import StormReport, _aborts_counted, disconnect_storm
 from chaos.metrics import KVOccupancy, MetricsSample, scrape
+from chaos.probes import preemptions, swapped_out_blocks
 from chaos.processes import ManagedServer, free_port
+from chaos.state import LoadRun, reset
 
 MODEL = "smollm2-135m"
 
@@ -94,3 +96,13 @@ def test_a_server_that_counts_no_client_aborts_is_named_as_such_never_passed_on_
         1.0,
     )
     assert storm_on(vllm, counted).num_aborts_missing == 2
+
+
+def test_kvstorm_only_probes_fail_on_a_server_without_their_series_instead_of_reading_zero():
+    vllm = MetricsSample.parse(VLLM_PAGE.read_text(), 0.0)
+    state = reset()
+    state.loads["main"] = LoadRun("main", metrics_before=vllm, metrics_after=vllm)
+    assert preemptions() == 0  # vLLM's own counter: measured
+    for probe in (swapped_out_blocks, lambda: preemptions(mode="swap")):
+        with pytest.raises(RuntimeError, match="not exported by this server: kvstorm:"):
+            probe()
