@@ -4,8 +4,10 @@ Each returns something JSON-able for the journal and records what it did (loads,
 (``chaos.state``) for the probes and the verdict. Engine faults need kvstorm's admin token in
 ``$KVSTORM_ADMIN_TOKEN``; the rest works against any OpenAI-compatible server.
 
+- ``measure_target``: the server's capacity and KV size (``chaos.sizing``), for the loads sized from them;
 - ``run_load``: the load generator, to the end of the load (declare it ``background: true`` so the faults that
-  follow in the method happen during it);
+  follow in the method happen during it); its rates can be multiples of the measured capacity and its request
+  count a multiple of the measured KV size;
 - ``set_engine_faults`` / ``clear_engine_faults``: ``/admin/faults`` (``engine/faults.py``) with a lease, so the
   engine clears them by itself if this process dies;
 - ``start_proxy`` / ``set_proxy_faults`` / ``reset_proxy_connections`` / ``clear_proxy_faults`` / ``stop_proxy``:
@@ -24,10 +26,32 @@ from chaos import load as loads
 from chaos.disconnects import disconnect_storm as run_storm
 from chaos.engine_admin import EngineAdmin, LeaseKeeper
 from chaos.proxy import FaultProxy
+from chaos.sizing import TargetSize, requests_for_kv
+from chaos.sizing import measure_target as measure
 from chaos.state import current
+from loadgen.arrivals import scale_rates
 
 # Faults whose value turns them off (everything else turns them on).
 _OFF = (None, 0, 0.0, False)
+
+
+def measure_target(
+    target_url: str,
+    model: str,
+    workload: str = "random",
+    input_len: str = "fixed:128",
+    output_len: str = "fixed:64",
+    concurrency: int = 8,
+    num_requests: int = 16,
+) -> dict[str, Any]:
+    """Read the server's KV size and measure its capacity with these request shapes (``num_requests`` 0: the KV
+    size only; ``chaos.sizing``); the loads that follow can be sized from them (``run_load``'s ``rate_unit`` and
+    ``kv_multiple``)."""
+    shapes = {"workload": workload, "input_len": input_len, "output_len": output_len}
+    size = measure(target_url, model, shapes=shapes, concurrency=concurrency, num_requests=num_requests)
+    current().target_size = size
+    current().emit("target_size", **size.to_json())
+    return size.to_json()
 
 
 def run_load(
@@ -45,8 +69,23 @@ def run_load(
     seed: int = 0,
     name: str = "main",
     metrics_url: str | None = None,
+    rate_unit: str = "req/s",
+    kv_multiple: float | None = None,
 ) -> dict[str, Any]:
-    """An open-loop load (``kvstorm bench serve``'s arrival, workload and length specs) run to its end."""
+    """An open-loop load (``kvstorm bench serve``'s arrival, workload and length specs) run to its end.
+
+    Sized from the target (after ``measure_target``): ``rate_unit: capacity`` reads every rate of ``arrival`` as a
+    multiple of the measured capacity; ``kv_multiple`` sends as many requests as hold that many times the server's
+    KV cache once fully generated (instead of ``num_requests``)."""
+    if rate_unit not in ("req/s", "capacity"):
+        raise ValueError(f"rate_unit={rate_unit!r}: expected req/s or capacity")
+    if rate_unit == "capacity":
+        capacity_rps = _measured().capacity_rps
+        if capacity_rps is None:
+            raise RuntimeError("rate_unit capacity: measure_target read only the KV size (num_requests 0)")
+        arrival = scale_rates(arrival, capacity_rps)
+    if kv_multiple is not None:
+        num_requests = requests_for_kv(_measured(), kv_multiple, input_len, output_len)
     config = loads.load_config(
         target_url,
         model,
@@ -62,7 +101,14 @@ def run_load(
         seed=seed,
     )
     load = loads.run_load(name, config, metrics_url)
-    return loads.summary_of(load.result)
+    return {"arrival": arrival, "num_requests_cap": num_requests, **loads.summary_of(load.result)}
+
+
+def _measured() -> TargetSize:
+    size = current().target_size
+    if size is None:
+        raise RuntimeError("this load is sized from the target: run measure_target earlier in the method")
+    return size
 
 
 def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 30.0) -> dict[str, Any]:

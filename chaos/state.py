@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chaos.disconnects import StormReport
 from chaos.engine_admin import LeaseKeeper
@@ -22,6 +22,9 @@ from chaos.processes import ManagedServer
 from chaos.proxy import FaultProxy
 from loadgen.counters import RunCounters
 from loadgen.results import FaultWindow, RunResult
+
+if TYPE_CHECKING:  # chaos.sizing runs loads, which record themselves here
+    from chaos.sizing import TargetSize
 
 # The SLO spec a run is judged by (chaos.slo_check): a profile of dashboards.slo and a file of overrides.
 SLO_PROFILE_ENV = "KVSTORM_SLO_PROFILE"
@@ -62,6 +65,8 @@ class RunState:
     # Per server with engine faults set: the thread that renews their lease.
     lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
+    # The server's capacity and KV size, once the method's measure_target has measured them (chaos.sizing).
+    target_size: TargetSize | None = None
     slo_profile: str = field(default_factory=lambda: os.environ.get(SLO_PROFILE_ENV, "cpu"))
     slo_file: Path | None = field(
         default_factory=lambda: Path(os.environ[SLO_FILE_ENV]) if os.environ.get(SLO_FILE_ENV) else None

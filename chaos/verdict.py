@@ -17,6 +17,7 @@ from chaoslib.hypothesis import within_tolerance
 
 from chaos.disconnects import NOT_EXPORTED
 from chaos.metrics import EngineActivity, time_to_recover
+from chaos.sizing import TargetSize
 from chaos.slo_check import SloResult, evaluate_all, run_spec
 from chaos.state import RunState
 from loadgen.analysis import Summary
@@ -67,6 +68,9 @@ class Verdict:
     # The dashboards' SLO spec over the main load (chaos.slo_check), and its profile.
     slos: list[SloResult] = field(default_factory=list)
     slo_profile: str = ""
+    # The main load's arrival as sent (after sizing), and what the server measured as before it (chaos.sizing).
+    arrival: str | None = None
+    target_size: TargetSize | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -133,6 +137,8 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         storms=storms,
         slos=slos,
         slo_profile=state.slo_profile,
+        arrival=main.result.config.arrival if main is not None and main.result is not None else None,
+        target_size=state.target_size,
     )
 
 

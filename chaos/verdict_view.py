@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from chaos.disconnects import NOT_EXPORTED
+from chaos.sizing import CACHE_CONFIG_SERIES, TargetSize
 from chaos.verdict import Check, Verdict
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
@@ -138,6 +139,10 @@ def _load(verdict: Verdict) -> Section:
     s = verdict.load
     outcomes = ", ".join(f"{outcome.value} {s.outcomes[outcome]}" for outcome in Outcome)
     rows = [("requests", f"{s.num_requests} in {s.duration_s:.1f} s ({outcomes})")]
+    if verdict.arrival is not None:
+        rows.append(("arrival", verdict.arrival))
+    if verdict.target_size is not None:
+        rows.append(("sized from the server", _size(verdict.target_size)))
     for metric in ("ttft", "tpot", "itl", "e2e"):
         stats = getattr(s, metric)
         if stats is not None:
@@ -147,6 +152,20 @@ def _load(verdict: Verdict) -> Section:
     rows.append(("throughput", f"{s.request_throughput:.2f} ok req/s, {s.output_token_throughput:.1f} output tok/s"))
     marks = [s.outcomes[Outcome.BROKEN_STREAM] == 0] + [None] * (len(rows) - 1)
     return Section("The load, as its clients saw it", ("", "value"), rows, marks)
+
+
+def _size(size: TargetSize) -> str:
+    kv = (
+        f"KV cache {size.kv_tokens:,} tokens ({CACHE_CONFIG_SERIES})"
+        if size.kv_tokens is not None
+        else f"KV cache size not exported by this server ({CACHE_CONFIG_SERIES})"
+    )
+    if size.capacity_rps is None:
+        return kv
+    return (
+        f"{kv}; capacity {size.capacity_rps:.2f} req/s, {size.output_tokens_per_s:.0f} output tok/s "
+        f"at {size.concurrency} streams ({size.num_requests} requests)"
+    )
 
 
 def _activity(verdict: Verdict) -> Section:

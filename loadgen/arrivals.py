@@ -55,6 +55,27 @@ def make_arrivals(text: str, *, num_requests: int | None, duration_s: float | No
     return arrivals[:num_requests] if num_requests is not None else arrivals
 
 
+# The keys of each kind that are rates (requests/s), which ``scale_rates`` multiplies.
+_RATE_KEYS = {"constant": ("rate",), "poisson": ("rate",), "gamma": ("rate",), "onoff": ("base", "burst")}
+
+
+def scale_rates(text: str, factor: float) -> str:
+    """The arrival spec ``text`` with every rate multiplied by ``factor`` (a load written in multiples of a
+    server's measured capacity, ``chaos.sizing``); durations and shapes stay as written."""
+    spec = parse_spec(text, ARRIVAL_KINDS)
+    if spec.kind == "trace":
+        raise ValueError(f"{text!r}: a trace's rates are its own (use its speedup), they cannot be scaled")
+    if not factor > 0:
+        raise ValueError(f"cannot scale the rates of {text!r} by {factor}: the factor must be > 0")
+    params = dict(spec.params)
+    if spec.kind == "steps":
+        params["rates"] = "/".join(f"{float(rate) * factor:.4g}" for rate in spec.get_str("rates").split("/"))
+    else:
+        for key in _RATE_KEYS[spec.kind]:
+            params[key] = f"{spec.get_float(key) * factor:.4g}"
+    return f"{spec.kind}:" + ",".join(f"{key}={value}" for key, value in params.items())
+
+
 def _offsets(spec: Spec, rng: np.random.Generator, num_requests: int | None, duration_s: float | None) -> np.ndarray:
     if spec.kind in ("constant", "poisson", "gamma"):
         spec.check_keys({"rate", "burstiness"} if spec.kind == "gamma" else {"rate"})

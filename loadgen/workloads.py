@@ -70,14 +70,8 @@ def sample_lengths(text: str, count: int, rng: np.random.Generator) -> np.ndarra
     if spec.kind == "fixed":
         values = np.full(count, _bare_int(spec))
     elif spec.kind == "uniform":
-        low, _, high = spec.args.partition("-")
-        try:
-            low_value, high_value = int(low), int(high)
-        except ValueError:
-            raise ValueError(f"{text!r}: expected uniform:LOW-HIGH, e.g. uniform:64-512") from None
-        if not 1 <= low_value <= high_value:
-            raise ValueError(f"{text!r}: need 1 <= LOW <= HIGH")
-        values = rng.integers(low_value, high_value + 1, size=count)
+        low, high = _uniform_bounds(spec)
+        values = rng.integers(low, high + 1, size=count)
     elif spec.kind == "normal":
         spec.check_keys({"mean", "std"})
         values = rng.normal(spec.get_float("mean", minimum=1), spec.get_float("std", minimum=0), size=count)
@@ -86,6 +80,29 @@ def sample_lengths(text: str, count: int, rng: np.random.Generator) -> np.ndarra
         median = spec.get_float("median", minimum=1)
         values = rng.lognormal(np.log(median), spec.get_float("sigma", minimum=0), size=count)
     return np.maximum(np.rint(values), 1).astype(np.int64)
+
+
+def mean_length(text: str) -> float:
+    """The expected length of a length spec (before rounding and clipping to 1)."""
+    spec = parse_spec(text, LENGTH_KINDS)
+    if spec.kind == "fixed":
+        return float(_bare_int(spec))
+    if spec.kind == "uniform":
+        return sum(_uniform_bounds(spec)) / 2
+    if spec.kind == "normal":
+        return spec.get_float("mean", minimum=1)
+    return spec.get_float("median", minimum=1) * float(np.exp(spec.get_float("sigma", minimum=0) ** 2 / 2))
+
+
+def _uniform_bounds(spec: Spec) -> tuple[int, int]:
+    low, _, high = spec.args.partition("-")
+    try:
+        low_value, high_value = int(low), int(high)
+    except ValueError:
+        raise ValueError(f"{spec.text!r}: expected uniform:LOW-HIGH, e.g. uniform:64-512") from None
+    if not 1 <= low_value <= high_value:
+        raise ValueError(f"{spec.text!r}: need 1 <= LOW <= HIGH")
+    return low_value, high_value
 
 
 def _bare_int(spec: Spec) -> int:

@@ -198,6 +198,10 @@ SCHEMAS: dict[str, Schema] = {
     "max_step_tokens": Number(1, MAX_TOKENS, is_int=True),
     "swap_delay_per_block": Number(0, 1, unit="s"),
     "kill_signal": Choice(("SIGTERM", "SIGKILL")),
+    # chaos.sizing: the capacity measurement's closed loop, and a burst's size in multiples of the server's KV.
+    "capacity_concurrency": Number(1, 64, is_int=True),
+    "capacity_requests": Number(1, 256, is_int=True),
+    "kv_multiple": Number(0.5, 8),
 }
 
 

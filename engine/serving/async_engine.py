@@ -118,6 +118,10 @@ class AsyncEngine:
         self._publish(engine.snapshot())
         self.admission = AdmissionController(self.limits, engine.info.block_size, self.snapshot.prefill_tokens_per_s)
         metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
+        stats = self.snapshot.stats
+        metrics.observe_cache_config(
+            engine.info.block_size, stats.num_physical_device_blocks, stats.num_physical_host_blocks
+        )
         for loop_fault in ("freeze", "engine_paused"):
             metrics.set_fault(loop_fault, False)
 

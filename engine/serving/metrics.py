@@ -145,6 +145,13 @@ class EngineMetrics:
             "Observed over the service model's time to first token, median and 95th percentile of recent requests",
             ("quantile",),
         )
+        # vLLM's name and labels: a harness reads one server's KV size the same way as the other's (chaos.sizing).
+        self.cache_config_info = Gauge(
+            "vllm:cache_config_info",
+            "KV cache configuration (the labels; the value is 1)",
+            ["block_size", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_size_tokens"],
+            registry=self.registry,
+        )
         self.request_preemptions = histogram(
             "kvstorm:request_preemptions", "Preemptions a request went through", PREEMPTIONS_PER_REQUEST_BUCKETS
         )
@@ -175,6 +182,15 @@ class EngineMetrics:
             self._labels(self.preemptions, mode=event.mode.value, reason=event.reason).inc()
             if event.mode is PreemptionMode.RECOMPUTE:
                 self.recomputed_tokens.inc(event.num_computed_tokens)
+
+    def observe_cache_config(self, block_size: int, num_device_blocks: int, num_host_blocks: int) -> None:
+        """The physical pools: a cap fault lowers ``kvstorm:total_blocks``, not the cache the server was given."""
+        self.cache_config_info.labels(
+            block_size=str(block_size),
+            num_gpu_blocks=str(num_device_blocks),
+            num_cpu_blocks=str(num_host_blocks),
+            kv_cache_size_tokens=str(num_device_blocks * block_size),
+        ).set(1)
 
     def observe_added(self, request: Request) -> None:
         self.prompt_tokens.inc(request.num_prompt_tokens)

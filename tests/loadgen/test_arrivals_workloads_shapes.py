@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.arrivals import _renewal, make_arrivals
+from loadgen.arrivals import _renewal, make_arrivals, scale_rates
 from loadgen.shapes import make_shape
-from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, request_body, sample_lengths
+from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, mean_length, request_body, sample_lengths
 
 
 def offsets(text: str, **bounds) -> np.ndarray:
@@ -76,6 +76,37 @@ def test_trace_replay_keeps_times_and_lengths(tmp_path):
 def test_bad_arrival_specs_say_what_is_wrong(text, message):
     with pytest.raises(ValueError, match=message):
         make_arrivals(text, num_requests=None, duration_s=None)
+
+
+@pytest.mark.parametrize(
+    ("text", "factor", "scaled"),
+    [
+        ("constant:rate=2", 0.5, "constant:rate=1"),
+        ("poisson:rate=3", 2, "poisson:rate=6"),
+        ("gamma:rate=1,burstiness=0.5", 3, "gamma:rate=3,burstiness=0.5"),
+        ("onoff:base=0.5,burst=2,burst_s=20,period_s=60", 0.8, "onoff:base=0.4,burst=1.6,burst_s=20,period_s=60"),
+        ("steps:rates=1/2/4,step_s=10,spacing=even", 1.5, "steps:rates=1.5/3/6,step_s=10,spacing=even"),
+    ],
+)
+def test_scaling_an_arrival_multiplies_its_rates_and_keeps_its_durations(text, factor, scaled):
+    assert scale_rates(text, factor) == scaled
+    full = offsets(scale_rates(text, 1), num_requests=None, duration_s=600)
+    half = offsets(scale_rates(text, 0.5), num_requests=None, duration_s=600)
+    assert len(half) == pytest.approx(len(full) / 2, rel=0.3)
+
+
+@pytest.mark.parametrize(
+    ("text", "factor", "message"), [("trace:path=t.jsonl", 2, "cannot be scaled"), ("poisson:rate=1", 0, "must be > 0")]
+)
+def test_an_arrival_that_cannot_be_scaled_says_why(text, factor, message):
+    with pytest.raises(ValueError, match=message):
+        scale_rates(text, factor)
+
+
+def test_the_mean_of_each_length_distribution_matches_its_samples():
+    rng = np.random.default_rng(0)
+    for text in ("fixed:128", "uniform:64-192", "normal:mean=256,std=32", "lognormal:median=100,sigma=0.5"):
+        assert mean_length(text) == pytest.approx(sample_lengths(text, 20_000, rng).mean(), rel=0.02)
 
 
 def test_length_distributions():
