@@ -38,6 +38,7 @@ from chaos.verdict import Verdict, build_verdict
 from chaos.verdict_view import print_verdict, to_html, to_markdown
 from dashboards.build import boards
 from dashboards.render import render
+from dashboards.rules import recordings
 from dashboards.slo import load_spec
 from loadgen.report import write_report
 from loadgen.results import RunResult, replacing, write_text_atomic
@@ -175,9 +176,10 @@ def _write_results(
 def _render_dashboards(prometheus_url: str, state: RunState, results_dir: Path, console: Console) -> str:
     """Draw the SLO and engine dashboards from a minute before the run to now into ``dashboards.html``; the
     report's link to it, or why there is none (a Prometheus that cannot answer costs the run nothing else)."""
-    shown = [board for board in boards(load_spec(state.slo_profile, state.slo_file)) if board.uid in REPORT_BOARDS]
+    slos = load_spec(state.slo_profile, state.slo_file)
+    shown = [board for board in boards(slos) if board.uid in REPORT_BOARDS]
     try:
-        page = render(shown, prometheus_url, state.started_unix - 60, time.time())
+        page = render(shown, prometheus_url, state.started_unix - 60, time.time(), recordings(slos))
     except (requests.RequestException, ValueError) as error:
         why = f"no dashboards: Prometheus at {prometheus_url} did not answer ({error})"
         console.print(why, style="yellow", markup=False)

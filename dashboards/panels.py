@@ -7,11 +7,16 @@ Queries may use Grafana's template variables ``$model`` and ``$instance`` (in ``
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SEL = 'model_name=~"$model", instance=~"$instance"'
 RATE = "$__rate_interval"
 CONCRETE = {"$model": ".*", "$instance": ".*", RATE: "1m"}
+# Every series name the boards and rules read: the engine's (vLLM's names and kvstorm's), the controller's, and the
+# recording rules' (``model_name:...``).
+METRIC_NAME = re.compile(r"\b((?:vllm|kvstorm|model_name):[a-z0-9_:]+|kvstorm_chaos_[a-z0-9_]+)")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,15 @@ class Board:
     @property
     def panels(self) -> list[Panel]:
         return [panel for _, panels in self.rows for panel in panels]
+
+
+def source_series(expr: str, recordings: Mapping[str, str]) -> set[str]:
+    """The series a query reads from the servers: a recording rule's name (``recordings``: name -> expression)
+    stands for the series its expression reads."""
+    names = set()
+    for name in METRIC_NAME.findall(expr):
+        names |= source_series(recordings[name], recordings) if name in recordings else {name}
+    return names
 
 
 def concrete(expr: str) -> str:

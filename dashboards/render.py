@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import requests
 from plotly.subplots import make_subplots
 
-from dashboards.panels import Board, Panel, concrete
+from dashboards.panels import Board, Panel, concrete, source_series
 
 MAX_POINTS = 400
 
@@ -46,15 +46,33 @@ def panel_series(prometheus_url: str, panel: Panel, start_unix: float, end_unix:
     return series
 
 
-def render(boards: Sequence[Board], prometheus_url: str, start_unix: float, end_unix: float) -> str:
-    """One HTML page: every board's panels with the data of ``[start_unix, end_unix]``."""
+def stored_series(prometheus_url: str, start_unix: float, end_unix: float) -> set[str]:
+    """The names of every series Prometheus holds samples of in ``[start_unix, end_unix]``."""
+    params = {"start": start_unix, "end": end_unix}
+    response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/label/__name__/values", params=params, timeout=60)
+    return set(response.json()["data"])
+
+
+def render(
+    boards: Sequence[Board],
+    prometheus_url: str,
+    start_unix: float,
+    end_unix: float,
+    recordings: Mapping[str, str],
+) -> str:
+    """One HTML page: every board's panels with the data of ``[start_unix, end_unix]``. A panel that reads a series
+    no scraped server exports (a kvstorm series on vLLM) names it (``recordings``: the recording rules, name ->
+    expression, so that a rule's panel names the series it is computed from)."""
     sections, first = [], True
+    stored = stored_series(prometheus_url, start_unix, end_unix)
     for board in boards:
         figures = []
         for row_title, panels in board.rows:
             figures.append(f"<h3 class='row'>{html.escape(row_title)}</h3>")
             for panel in panels:
-                figure = _figure(panel, panel_series(prometheus_url, panel, start_unix, end_unix))
+                read = set().union(*(source_series(concrete(q.expr), recordings) for q in panel.queries))
+                series = panel_series(prometheus_url, panel, start_unix, end_unix)
+                figure = _figure(panel, series, sorted(read - stored))
                 figures.append(f"<div class='panel'>{figure.to_html(full_html=False, include_plotlyjs=first)}</div>")
                 first = False
         sections.append(
@@ -71,11 +89,15 @@ def render(boards: Sequence[Board], prometheus_url: str, start_unix: float, end_
     )
 
 
-def _figure(panel: Panel, series: list[Series]) -> go.Figure:
-    layout = {"title": panel.title, "height": 300, "margin": {"l": 50, "r": 20, "t": 40, "b": 30}}
+def _figure(panel: Panel, series: list[Series], not_exported: list[str]) -> go.Figure:
+    """``not_exported``: series the panel reads that no scraped server exports."""
+    missing = f"not exported by the scraped servers: {', '.join(not_exported)}"
+    title = panel.title if not series or not not_exported else f"{panel.title}<br><sup>{missing}</sup>"
+    layout = {"title": title, "height": 300, "margin": {"l": 50, "r": 20, "t": 50, "b": 30}}
     if not series:
         figure = go.Figure()
-        figure.add_annotation(text="no data", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+        text = f"no data: {missing}" if not_exported else "no data in this window"
+        figure.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
         return figure.update_layout(**layout)
     if panel.kind == "stat":
         return _stat(panel, series).update_layout(**layout)

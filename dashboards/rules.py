@@ -32,6 +32,12 @@ def guardrail_record(slo: Slo) -> str:
     return f"{MODEL}:slo_{slo.name}:value"
 
 
+def recordings(slos: Sequence[Slo]) -> dict[str, str]:
+    """Each recording rule's name and the expression it records."""
+    return {rule["record"]: rule["expr"] for group in rule_groups(slos)["groups"] for rule in group["rules"]
+            if "record" in rule}  # fmt: skip
+
+
 def rule_groups(slos: Sequence[Slo], interval: str = "15s") -> dict[str, Any]:
     """The rule file's content (``RULES_FILE``), evaluated every ``interval``."""
     events = [slo for slo in slos if slo.kind == "events"]

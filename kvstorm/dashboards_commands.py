@@ -16,6 +16,7 @@ from dashboards.build import (
     build_all,
 )
 from dashboards.render import render
+from dashboards.rules import recordings
 from dashboards.slo import PROFILES, load_spec
 from loadgen.spec import parse_duration
 
@@ -56,7 +57,8 @@ def run_build(args: argparse.Namespace) -> int:
 
 def run_render(args: argparse.Namespace) -> int:
     end = time.time()
-    page = render(boards(load_spec(args.profile, args.slo_file)), args.prometheus_url, end - args.since, end)
+    slos = load_spec(args.profile, args.slo_file)
+    page = render(boards(slos), args.prometheus_url, end - args.since, end, recordings(slos))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(page)
     print(f"wrote {args.out}", file=sys.stderr)

@@ -27,12 +27,11 @@ from chaos.controller.metrics import ControllerMetrics
 from chaos.metrics import MetricsSample
 from chaos.processes import ManagedServer, free_port
 from dashboards.build import boards, build_all
-from dashboards.panels import concrete
-from dashboards.rules import rule_groups
+from dashboards.panels import concrete, source_series
+from dashboards.rules import recordings, rule_groups
 from dashboards.slo import load_spec
 from tests.chaos.test_controller import controller, events_until_end, start_run
 
-METRIC_NAME = re.compile(r"\b((?:vllm|kvstorm):[a-z0-9_]+|kvstorm_chaos_[a-z0-9_]+)")
 SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
 
@@ -45,8 +44,7 @@ def referenced_names() -> set[str]:
     slos = load_spec()
     exprs = [concrete(q.expr) for board in boards(slos) for panel in board.panels for q in panel.queries]
     exprs += [rule["expr"] for group in rule_groups(slos)["groups"] for rule in group["rules"]]
-    names = {name for expr in exprs for name in METRIC_NAME.findall(expr)}
-    return {name for name in names if not name.startswith(("model_name:",))}
+    return set().union(*(source_series(expr, recordings(slos)) for expr in exprs))
 
 
 def family_of(name: str) -> str:
