@@ -27,16 +27,20 @@ from rich.console import Console, Group
 from rich.markup import escape
 
 from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.processes import running_kvstorm
+from chaos.processes import kvstorm_server
 from chaos.runner import REPORT_BUCKET_S, ExperimentRun, run_experiment_file
 from chaos.verdict_view import (
     STATUS_WORDS,
     Section,
+    describe_preemptions,
+    describe_size,
+    describe_swapped,
     format_value,
     headline,
     rich_tables,
     sections_html,
     sections_markdown,
+    shown_if_exported,
 )
 from loadgen.analysis import LatencyStats, Slo, summarize
 from loadgen.records import Outcome
@@ -154,9 +158,11 @@ def run_target(
             experiment, {**variables, "target_url": target.url}, results_root, console, **run_options
         )
     os.environ.setdefault(ADMIN_TOKEN_ENV, secrets.token_urlsafe(16))
-    with running_kvstorm(target.server_args, results_root / "server.log") as url:
-        console.print(f"{target.name}: ready on {url}", highlight=False)
-        return run_experiment_file(experiment, {**variables, "target_url": url}, results_root, console, **run_options)
+    with kvstorm_server(target.server_args, results_root / "server.log") as kvstorm:
+        console.print(f"{target.name}: ready on {kvstorm.url}", highlight=False)
+        return run_experiment_file(
+            experiment, {**variables, "target_url": kvstorm.url}, results_root, console, **run_options
+        )
 
 
 def goodput(run: ExperimentRun) -> float | None:
@@ -186,9 +192,11 @@ def side_by_side(runs: Sequence[TargetRun]) -> Section:
     for label, value in _FIGURES:
         rows.append((label, *(value(run) for run in runs)))
         marks.append(None)
-    return Section(
-        "Side by side (each target: the same experiment, the same seeded load)", ("", *_names(runs)), rows, marks
+    title = (
+        "Side by side (each target: the same experiment and seed; a load the experiment sizes from the server it "
+        "meets differs per target, as its arrival row shows)"
     )
+    return Section(title, ("", *_names(runs)), rows, marks)
 
 
 def _names(runs: Sequence[TargetRun]) -> list[str]:
@@ -235,24 +243,12 @@ def _latency(metric: str, scale: float) -> Any:
     return cell
 
 
-def _preemptions(run: TargetRun) -> str:
-    activity = run.run.verdict.activity
-    if activity is None:
-        return "-"
-    by_mode = activity.preemptions_by_mode
-    return f"{activity.preemptions} ({by_mode.get('swap', 0)} / {by_mode.get('recompute', 0)})"
+def _activity_cell(describe: Any) -> Any:
+    def cell(run: TargetRun) -> str:
+        activity = run.run.verdict.activity
+        return "-" if activity is None else describe(activity)
 
-
-def _swapped(run: TargetRun) -> str:
-    activity = run.run.verdict.activity
-    if activity is None:
-        return "-"
-    return f"{activity.swapped_out_blocks} blocks, {activity.swapped_bytes / 2**20:.0f} MiB"
-
-
-def _recomputed(run: TargetRun) -> str:
-    activity = run.run.verdict.activity
-    return "-" if activity is None else str(activity.recomputed_tokens)
+    return cell
 
 
 def _recovery(run: TargetRun) -> str:
@@ -268,14 +264,19 @@ def _number(value: float | None) -> str:
 
 # The rows after the checks: a label and what a run shows in it.
 _FIGURES = (
+    ("arrival (as sent)", lambda run: run.run.verdict.arrival or "-"),
+    (
+        "sized from",
+        lambda run: "-" if run.run.verdict.target_size is None else describe_size(run.run.verdict.target_size),
+    ),
     ("requests ok / broken / timed out / rejected", _outcomes),
     ("TTFT p50 / p99 s", _latency("ttft", 1.0)),
     ("ITL p50 / p99 ms", _latency("itl", 1e3)),
     ("TPOT p50 / p99 ms", _latency("tpot", 1e3)),
     ("E2E p50 / p99 s", _latency("e2e", 1.0)),
-    ("preemptions (swap / recompute)", _preemptions),
-    ("swapped out", _swapped),
-    ("tokens recomputed", _recomputed),
+    ("preemptions", _activity_cell(describe_preemptions)),
+    ("KV blocks swapped out / in", _activity_cell(describe_swapped)),
+    ("tokens recomputed", _activity_cell(lambda a: shown_if_exported(a.recomputed_tokens))),
     ("time to recover", _recovery),
     ("goodput req/s (ok, within the latency checks)", lambda run: _number(run.goodput)),
 )

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadgen.results import FaultWindow
 
 LabelSet = frozenset[tuple[str, str]]
+_SAMPLE_SUFFIXES = ("_total", "_bucket", "_count", "_sum")
 
 
 @dataclass(frozen=True)
@@ -24,17 +25,23 @@ class MetricsSample:
 
     unix_s: float
     values: dict[str, dict[LabelSet, float]] = field(default_factory=dict)
+    # Every family the page declares, with samples or not yet (a labelled counter before its first event).
+    families: frozenset[str] = frozenset()
 
     @classmethod
     def parse(cls, text: str, unix_s: float) -> MetricsSample:
         values: dict[str, dict[LabelSet, float]] = {}
+        families = set()
         for family in text_string_to_metric_families(text):
+            families.add(family.name)
             for sample in family.samples:
                 values.setdefault(sample.name, {})[frozenset(sample.labels.items())] = sample.value
-        return cls(unix_s, values)
+        return cls(unix_s, values, frozenset(families))
 
     def has(self, name: str) -> bool:
-        return name in self.values
+        """Whether the server exports the series ``name`` (a sample name such as ``x_total``, or a family)."""
+        family = next((name.removesuffix(s) for s in _SAMPLE_SUFFIXES if name.endswith(s)), name)
+        return name in self.values or name in self.families or family in self.families
 
     def total(self, name: str, **labels: str) -> float:
         """The sum over every series of ``name`` whose labels include ``labels`` (0 when there is none)."""
@@ -58,18 +65,20 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> MetricsSample:
 
 @dataclass(frozen=True)
 class EngineActivity:
-    """What a server did between two scrapes (counter deltas) and its queues at the second."""
+    """What a server did between two scrapes (counter deltas). kvstorm's own series are None on a server that does
+    not export them (vLLM has no swap, no admission refusals, no failed-step counter): never a zero it did not
+    report."""
 
     preemptions: int
-    preemptions_by_mode: dict[str, int]
-    recomputed_tokens: int
-    swapped_out_blocks: int
-    swapped_in_blocks: int
-    swapped_bytes: int
-    failed_steps: int
+    preemptions_by_mode: dict[str, int] | None
+    recomputed_tokens: int | None
+    swapped_out_blocks: int | None
+    swapped_in_blocks: int | None
+    swapped_bytes: int | None
+    failed_steps: int | None
     aborted_requests: int
     finished_by_reason: dict[str, int]
-    rejected_by_reason: dict[str, int]
+    rejected_by_reason: dict[str, int] | None
 
     @classmethod
     def between(cls, before: MetricsSample, after: MetricsSample) -> EngineActivity:
@@ -80,17 +89,24 @@ class EngineActivity:
             old, new = before.by_label(name, label), after.by_label(name, label)
             return {key: round(value - old.get(key, 0.0)) for key, value in sorted(new.items())}
 
+        # kvstorm's own series: None where the server does not export them.
+        def own_delta(name: str, **labels: str) -> int | None:
+            return delta(name, **labels) if after.has(name) else None
+
+        def own_delta_by(name: str, label: str) -> dict[str, int] | None:
+            return delta_by(name, label) if after.has(name) else None
+
         return cls(
             preemptions=delta("vllm:num_preemptions_total"),
-            preemptions_by_mode=delta_by("kvstorm:preemptions_total", "mode"),
-            recomputed_tokens=delta("kvstorm:recomputed_tokens_total"),
-            swapped_out_blocks=delta("kvstorm:swap_blocks_total", direction="out"),
-            swapped_in_blocks=delta("kvstorm:swap_blocks_total", direction="in"),
-            swapped_bytes=delta("kvstorm:swap_bytes_total"),
-            failed_steps=delta("kvstorm:failed_steps_total"),
+            preemptions_by_mode=own_delta_by("kvstorm:preemptions_total", "mode"),
+            recomputed_tokens=own_delta("kvstorm:recomputed_tokens_total"),
+            swapped_out_blocks=own_delta("kvstorm:swap_blocks_total", direction="out"),
+            swapped_in_blocks=own_delta("kvstorm:swap_blocks_total", direction="in"),
+            swapped_bytes=own_delta("kvstorm:swap_bytes_total"),
+            failed_steps=own_delta("kvstorm:failed_steps_total"),
             aborted_requests=delta("vllm:request_success_total", finished_reason="abort"),
             finished_by_reason=delta_by("vllm:request_success_total", "finished_reason"),
-            rejected_by_reason=delta_by("kvstorm:rejected_requests_total", "reason"),
+            rejected_by_reason=own_delta_by("kvstorm:rejected_requests_total", "reason"),
         )
 
 

