@@ -12,9 +12,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -55,7 +57,9 @@ class ManagedServer:
             log.close()
         while time.monotonic() - started < timeout_s:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{shlex.join(self.command)} exited with {self.process.returncode} before ready")
+                raise RuntimeError(
+                    f"{shlex.join(self.command)} exited with {self.process.returncode} before ready{self._log_tail()}"
+                )
             try:
                 if requests.get(self.ready_url, timeout=2).status_code == 200:
                     return time.monotonic() - started
@@ -63,7 +67,16 @@ class ManagedServer:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"{shlex.join(self.command)} was not ready at {self.ready_url} within {timeout_s:g} s")
+        raise TimeoutError(
+            f"{shlex.join(self.command)} was not ready at {self.ready_url} within {timeout_s:g} s{self._log_tail()}"
+        )
+
+    def _log_tail(self, num_lines: int = 20) -> str:
+        """The end of its log, for an error that says why it did not start ("" without a log)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+        return f"; the end of {self.log_path}:\n" + "\n".join(lines)
 
     def kill(self, signal_name: str = "SIGKILL", timeout_s: float = 60.0) -> float:
         """Send the signal to the process group and wait for the process to end; returns the seconds it took."""
@@ -95,18 +108,29 @@ def _resolve(command: list[str]) -> list[str]:
     return command
 
 
+@dataclass(frozen=True)
+class RunningKvstorm:
+    url: str
+    server: ManagedServer
+
+
 @contextmanager
-def running_kvstorm(serve_args: Sequence[str], log_path: Path | None = None) -> Iterator[str]:
-    """``kvstorm serve SERVE_ARGS`` on a free loopback port, waited for until ready; yields its base URL and stops
-    it when the block ends."""
+def kvstorm_server(
+    serve_args: Sequence[str], log_path: Path | None = None, env: Mapping[str, str] | None = None
+) -> Iterator[RunningKvstorm]:
+    """``kvstorm serve SERVE_ARGS`` on a free loopback port, waited for until ready (an error with the end of its log
+    when it does not get there); yields its base URL and process, and stops it when the block ends. The one way
+    chaos, benchmarks, scripts and tests start a kvstorm. Without ``log_path`` the log lives as long as the server."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = ManagedServer(["kvstorm", "serve", "--port", str(port), *serve_args], f"{url}/ready", log_path)
-    server.start()
-    try:
-        yield url
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="kvstorm-serve-") as scratch:
+        log = log_path or Path(scratch) / "server.log"
+        server = ManagedServer(["kvstorm", "serve", "--port", str(port), *serve_args], f"{url}/ready", log, env)
+        server.start()
+        try:
+            yield RunningKvstorm(url, server)
+        finally:
+            server.stop()
 
 
 def free_port() -> int:

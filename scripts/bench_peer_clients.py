@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import kvstorm_server
 from engine.model.registry import resolve_model
 from kvstorm.bench.doc import update_section
 from loadgen.scripted_server import ServerScript, scripted_server_process
@@ -139,15 +139,8 @@ def main() -> int:
         resolve_model(MODEL).load_tokenizer().hf_tokenizer.save_pretrained(tokenizer)
         with scripted_server_process("--ttft-ms", str(script.ttft_ms), "--gap-ms", str(script.gap_ms)) as scripted:
             yardstick = run_clients(args, scripted.base_url, tokenizer, out / "scripted")
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = ["kvstorm", "serve", "--port", str(port), "--kv-cache-memory", "256MiB"]
-        server = ManagedServer(command, f"{url}/ready", out / "server.log")
-        server.start()
-        try:
-            engine = run_clients(args, url, tokenizer, out / "engine")
-        finally:
-            server.stop()
+        with kvstorm_server(["--kv-cache-memory", "256MiB"], out / "server.log") as kvstorm:
+            engine = run_clients(args, kvstorm.url, tokenizer, out / "engine")
     lines = [
         f"Each client in turn: chat completions, streaming, ignore_eos, ~{PROMPT_TOKENS}-token prompts of the "
         f"client's own synthetic text, {OUTPUT_TOKENS} output tokens, {CONCURRENCY} in flight, {REQUESTS} requests. "

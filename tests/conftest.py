@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from chaos import processes
 from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
-from chaos.processes import ManagedServer, free_port
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import ModelSource, resolve_model
 from engine.model.tokenizer import Tokenizer
@@ -99,15 +99,11 @@ def kvstorm_server(tmp_path_factory) -> Iterator[KvstormServer]:
     token = secrets.token_urlsafe(16)
     previous = os.environ.get(ADMIN_TOKEN_ENV)
     os.environ[ADMIN_TOKEN_ENV] = token
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("server") / "server.log"
-    server = ManagedServer(["kvstorm", "serve", "--port", str(port), *SERVER_ARGS], f"{url}/ready", log)
-    server.start()
     try:
-        yield KvstormServer(url, EngineAdmin(url, token))
+        with processes.kvstorm_server(SERVER_ARGS, log) as kvstorm:
+            yield KvstormServer(kvstorm.url, EngineAdmin(kvstorm.url, token))
     finally:
-        server.stop()
         if previous is None:
             os.environ.pop(ADMIN_TOKEN_ENV, None)
         else:

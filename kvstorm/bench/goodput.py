@@ -24,7 +24,7 @@ import aiohttp
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import kvstorm_server
 from kvstorm.bench.doc import BenchReport
 from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark
@@ -161,18 +161,11 @@ class _Bench:
 
     def _run(self, admission: str, rate: float) -> tuple[RunResult, float | None, list[bool]]:
         args = self.args
-        port = free_port()
-        base_url = f"http://127.0.0.1:{port}"
-        command = [
-            "kvstorm", "serve", "--port", str(port), "--model", args.model, "--ttft-slo", admission,
-            *shlex.split(args.server_args),
-        ]  # fmt: skip
-        log_path = args.results_dir / f"goodput-server-{port}.log"
-        server = ManagedServer(command, f"{base_url}/ready", log_path=log_path)
-        server.start()
-        try:
+        serve_args = ["--model", args.model, "--ttft-slo", admission, *shlex.split(args.server_args)]
+        log_path = args.results_dir / f"goodput-server-{admission}-{rate:.3f}.log"
+        with kvstorm_server(serve_args, log_path) as kvstorm:
             config = RunConfig(
-                base_url=base_url,
+                base_url=kvstorm.url,
                 model=args.model,
                 arrival=f"poisson:rate={rate:.4f}",
                 workload="random",
@@ -188,8 +181,6 @@ class _Bench:
                 slo=self.slo,
             )
             result, within, probes = asyncio.run(_measure(config, args.warm_up))
-        finally:
-            server.stop()
         result.write(args.results_dir / f"goodput-{admission}-{rate:.3f}.json")
         return result, within, probes
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from chaos.processes import running_kvstorm
+from chaos.processes import kvstorm_server
 from engine.serving.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from engine.serving.server import MAX_UNKNOWN_FIELD_CHARS, MAX_UNKNOWN_FIELDS, ServerConfig
 from kvstorm.bench.doc import BenchReport
@@ -106,8 +106,8 @@ async def measure(url: str, model: str, repeats: int, max_tokens: int) -> tuple[
 
 def run_bench_neighbours(args: argparse.Namespace) -> BenchReport:
     serve_args = ["--model", args.model, "--ttft-slo", "off", "--max-sequences-per-request", str(max(N_FOR_SCALE))]
-    with running_kvstorm([*serve_args, *shlex.split(args.server_args)]) as url:
-        alone, cases = asyncio.run(measure(url, args.model, args.repeats, args.aggressor_tokens))
+    with kvstorm_server([*serve_args, *shlex.split(args.server_args)]) as kvstorm:
+        alone, cases = asyncio.run(measure(kvstorm.url, args.model, args.repeats, args.aggressor_tokens))
     rows = [f"| {name} | {latency * 1e3:.0f} | {latency / alone:.2f}x |" for name, latency in cases.items()]
     over = [name for name, latency in cases.items() if latency / alone > TARGET_RATIO and "for scale" not in name]
     markdown = "\n".join(

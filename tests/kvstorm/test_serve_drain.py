@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import secrets
 import signal
-import sys
 import threading
 
 import requests
 
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import kvstorm_server
 from tests.engine.serving.conftest import metric_value, wait_until
 
 MODEL = "tiny"
@@ -27,13 +26,11 @@ def stream(url: str, results: list[tuple[bool, str | None]]) -> None:
 
 
 def test_sigterm_lets_the_streams_in_flight_finish_and_exits_0(tmp_path):
-    port, token = free_port(), secrets.token_hex(16)
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kvstorm", "serve", "--model", "random:tiny", "--served-model-name", MODEL,
-               "--port", str(port), "--admin-token", token, "--drain-timeout", "60", "--ttft-slo", "off"]  # fmt: skip
-    server = ManagedServer(command, f"{url}/ready", tmp_path / "server.log")
-    server.start()
-    try:
+    token = secrets.token_hex(16)
+    serve_args = ["--model", "random:tiny", "--served-model-name", MODEL, "--admin-token", token,
+                  "--drain-timeout", "60", "--ttft-slo", "off"]  # fmt: skip
+    with kvstorm_server(serve_args, tmp_path / "server.log") as kvstorm:
+        url, server = kvstorm.url, kvstorm.server
         # 40 tokens at 50 ms a step: two seconds of streaming to stop the server in.
         admin = {"Authorization": f"Bearer {token}"}
         requests.post(f"{url}/admin/faults", json={"step_delay": 0.05}, headers=admin, timeout=10).raise_for_status()
@@ -53,8 +50,6 @@ def test_sigterm_lets_the_streams_in_flight_finish_and_exits_0(tmp_path):
         for client in clients:
             client.join(60)
         assert server.process.wait(60) == 0
-    finally:
-        server.stop()
     assert results == [(True, "length")] * 4
     log = (tmp_path / "server.log").read_text()
     assert "draining (up to 60 s)" in log

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from chaos.processes import free_port
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
 
 LOCUSTFILE = str(REPO_ROOT / "loadgen" / "locustfile.py")
@@ -59,12 +59,6 @@ def test_headless_run_reports_ttft_itl_e2e_and_bursts(tmp_path):
     assert process.returncode in (0, 1), output  # 1: some requests failed, as the fault plan intends
     assert "Shape test updating to 8 users" in output
     check_stats(read_stats(tmp_path / "run"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_distributed_master_and_worker(tmp_path):
