@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 from dashboards.panels import Board, Panel, concrete, source_series
 
 MAX_POINTS = 400
+NOT_EXPORTED = "not exported by the scraped servers"
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,13 @@ def render(
 
 def _figure(panel: Panel, series: list[Series], not_exported: list[str]) -> go.Figure:
     """``not_exported``: series the panel reads that no scraped server exports."""
-    missing = f"not exported by the scraped servers: {', '.join(not_exported)}"
-    title = panel.title if not series or not not_exported else f"{panel.title}<br><sup>{missing}</sup>"
+    named = f"{NOT_EXPORTED}: {', '.join(not_exported)}"
+    title = panel.title if not series or not not_exported else f"{panel.title}<br><sup>{named}</sup>"
     layout = {"title": title, "height": 300, "margin": {"l": 50, "r": 20, "t": 50, "b": 30}}
     if not series:
         figure = go.Figure()
-        text = f"no data: {missing}" if not_exported else "no data in this window"
+        # One series a line: a panel is half a page wide.
+        text = "<br>".join([f"no data: {NOT_EXPORTED}:", *not_exported]) if not_exported else "no data in this window"
         figure.add_annotation(text=text, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
         return figure.update_layout(**layout)
     if panel.kind == "stat":
