@@ -18,7 +18,12 @@ logger = logging.getLogger(__name__)
 
 
 class AdminError(RuntimeError):
-    """The admin route refused (bad token, bad fault, no admin routes on this server)."""
+    """The admin route refused (bad token, bad fault, no admin routes on this server). ``status``: the server's HTTP
+    status, None when no request was sent (no token)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineAdmin:
@@ -53,7 +58,7 @@ class EngineAdmin:
                 message = response.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = response.text[:200]
-            raise AdminError(f"{method} {path}: HTTP {response.status_code}: {message}")
+            raise AdminError(f"{method} {path}: HTTP {response.status_code}: {message}", response.status_code)
         return response.json()
 
 

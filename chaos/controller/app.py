@@ -113,7 +113,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
 
     @app.exception_handler(AdminError)
     async def engine_refused(_: Request, error: AdminError) -> JSONResponse:
-        code = 400 if "HTTP 400" in str(error) else 502
+        # A fault value the engine refused is the caller's to fix; anything else is the engine's (a bad gateway).
+        code = 400 if error.status == 400 else 502
         return JSONResponse({"detail": f"the engine refused: {error}"}, status_code=code)
 
     @app.get("/health")

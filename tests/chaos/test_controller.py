@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.processes import ManagedServer, free_port
 from tests.chaos.test_experiments import SHORT
 
@@ -173,3 +175,14 @@ def test_stopping_the_controller_clears_its_faults_and_a_dead_one_leaves_none_be
         os.kill(process.process.pid, signal.SIGKILL)
         wait_for(lambda: engine_cap(kvstorm_server) is None, "the lease to run out", timeout_s=LEASE_S + 5)
         assert time.monotonic() - killed <= LEASE_S + 1.5
+
+
+def test_an_engine_refusing_the_controllers_token_is_a_bad_gateway_not_the_callers_fault(
+    kvstorm_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(ADMIN_TOKEN_ENV, "not-the-engines-token")
+    with controller(kvstorm_server, tmp_path) as (url, _):
+        response = requests.put(f"{url}/faults", json={"step_delay": 0.1}, headers=AUTH, timeout=30)
+    assert response.status_code == 502, response.text
+    assert re.search(r"the engine refused: .*HTTP 40[13]", response.json()["detail"]), response.text
+    assert kvstorm_server.admin.faults()["step_delay"] == 0
