@@ -84,7 +84,6 @@ def requests_for_kv(size: TargetSize, kv_multiple: float, input_len: str, output
     """How many requests of these lengths hold ``kv_multiple`` times the target's KV cache once fully generated."""
     if size.kv_tokens is None:
         raise RuntimeError(
-            f"the server does not export {CACHE_CONFIG_SERIES}: its KV size is unknown, so a load sized from it "
-            "cannot be sized"
+            f"the server does not export {CACHE_CONFIG_SERIES}: its KV size is unknown, so no load can be sized from it"
         )
     return math.ceil(kv_multiple * size.kv_tokens / (mean_length(input_len) + mean_length(output_len)))

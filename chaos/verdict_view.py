@@ -155,12 +155,9 @@ def _load(verdict: Verdict) -> Section:
     return Section("The load, as its clients saw it", ("", "value"), rows, marks)
 
 
-NOT_EXPORTED_BY_SERVER = "not exported by this server"
-
-
 def shown_if_exported(value: Any, show: Any = str) -> str:
     """``show(value)``, or that the server does not export the series (None)."""
-    return NOT_EXPORTED_BY_SERVER if value is None else show(value)
+    return NOT_EXPORTED if value is None else show(value)
 
 
 def _counts(by_key: dict[str, int]) -> str:
@@ -168,16 +165,16 @@ def _counts(by_key: dict[str, int]) -> str:
 
 
 def describe_preemptions(a: EngineActivity) -> str:
-    """ "29 (swap 29)"; the modes only where the server exports them."""
+    """The preemptions, by mode where the server exports the modes: "29 (swap 29)"."""
     if a.preemptions_by_mode is None:
-        return f"{a.preemptions}" + (" (by mode: not exported by this server)" if a.preemptions else "")
+        return f"{a.preemptions}" + (f" (by mode: {NOT_EXPORTED})" if a.preemptions else "")
     by_mode = _counts(a.preemptions_by_mode)
     return f"{a.preemptions}" + (f" ({by_mode})" if by_mode else "")
 
 
 def describe_swapped(a: EngineActivity) -> str:
     if a.swapped_out_blocks is None or a.swapped_in_blocks is None or a.swapped_bytes is None:
-        return NOT_EXPORTED_BY_SERVER
+        return NOT_EXPORTED
     return f"{a.swapped_out_blocks} / {a.swapped_in_blocks} ({a.swapped_bytes / 2**20:.1f} MiB)"
 
 

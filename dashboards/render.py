@@ -51,7 +51,10 @@ def stored_series(prometheus_url: str, start_unix: float, end_unix: float) -> se
     """The names of every series Prometheus holds samples of in ``[start_unix, end_unix]``."""
     params = {"start": start_unix, "end": end_unix}
     response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/label/__name__/values", params=params, timeout=60)
-    return set(response.json()["data"])
+    payload = response.json()
+    if payload.get("status") != "success":
+        raise ValueError(f"Prometheus did not list its series: {payload.get('error')}")
+    return set(payload["data"])
 
 
 def render(
