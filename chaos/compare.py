@@ -190,11 +190,16 @@ def side_by_side(runs: Sequence[TargetRun]) -> Section:
         rows.append((f"{name} ({expectation})", *cells))
         marks.append(False if False in met else True if all(met) else None)
     for label, value in _FIGURES:
-        rows.append((label, *(value(run) for run in runs)))
-        marks.append(None)
+        cells = tuple(value(run) for run in runs)
+        if any(cell != "-" for cell in cells):  # a figure no target has (no sizing, no latency check) says nothing
+            rows.append((label, *cells))
+            marks.append(None)
+    sized = any(run.run.verdict.target_size is not None for run in runs)
     title = (
-        "Side by side (each target: the same experiment and seed; a load the experiment sizes from the server it "
-        "meets differs per target, as its arrival row shows)"
+        "Side by side (each target: the same experiment and seed; the load is sized from each server, as the "
+        "arrival row shows)"
+        if sized
+        else "Side by side (each target: the same experiment, the same seeded load)"
     )
     return Section(title, ("", *_names(runs)), rows, marks)
 

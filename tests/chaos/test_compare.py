@@ -20,6 +20,7 @@ from chaos.compare import Comparison, Target, TargetRun, compare, parse_server, 
 from chaos.engine_admin import ADMIN_TOKEN_ENV
 from chaos.metrics import EngineActivity, MetricsSample
 from chaos.runner import ExperimentRun
+from chaos.sizing import TargetSize
 from chaos.verdict import Check, Verdict
 from chaos.verdict_view import describe_preemptions, describe_swapped, sections_markdown
 from engine.serving.metrics import EngineMetrics
@@ -219,6 +220,21 @@ def test_the_comparison_writes_a_table_and_one_report_linking_each_run(tmp_path)
     report = (tmp_path / "report.html").read_text()
     assert "href='undefended/run/report.html'" in report
     assert "defaults: KV cache usage" in report
+
+
+def test_a_load_sized_per_target_is_shown_as_such_and_a_figure_no_target_has_is_left_out(tmp_path):
+    runs = two_runs(tmp_path)
+    plain = side_by_side(runs)
+    assert "the same seeded load" in plain.title
+    assert "sized from" not in {row[0] for row in plain.rows}
+    size = TargetSize(1_408, capacity_rps=1.5, output_tokens_per_s=90.0, concurrency=8, num_requests=16)
+    sized_verdict = replace(runs[1].run.verdict, target_size=size, arrival="onoff:base=0.75,burst=3")
+    sized = side_by_side([runs[0], replace(runs[1], run=replace(runs[1].run, verdict=sized_verdict))])
+    assert "sized from each server" in sized.title
+    rows = {row[0]: row[1:] for row in sized.rows}
+    assert rows["sized from"][0] == "-"
+    assert rows["sized from"][1].startswith("KV cache 1,408 tokens (vllm:cache_config_info); capacity 1.50 req/s")
+    assert rows["arrival (as sent)"][1] == "onoff:base=0.75,burst=3"
 
 
 def test_kvstorms_own_figures_read_not_exported_on_vllm_and_zero_only_on_a_server_that_exports_them():
