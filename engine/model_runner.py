@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
+from engine.core.kv_cache_manager import num_blocks_for
 from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from engine.faults import EngineFaults
 from engine.host_memory import keep_freed_host_memory
@@ -148,7 +149,7 @@ class ModelRunner:
     def measure_prefill_throughput(self, num_tokens: int = 128) -> float:
         """Tokens/s of one prefill of ``num_tokens`` tokens (writes only blocks no request owns yet)."""
         num_tokens = min(num_tokens, self.device_cache.num_blocks * self.block_size)
-        blocks = list(range(-(-num_tokens // self.block_size)))
+        blocks = list(range(num_blocks_for(num_tokens, self.block_size)))
         chunk = ScheduledRequest("prefill-probe", token_ids=[0] * num_tokens, num_computed_tokens=0, block_ids=blocks)
         self.forward([chunk], positions_to_keep=[True])  # warm-up
         self._synchronize()

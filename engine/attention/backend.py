@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from engine.core.kv_cache_manager import num_blocks_for
+
 
 @dataclass
 class AttentionMetadata:
@@ -71,7 +73,7 @@ class AttentionMetadata:
         device = self.slot_mapping.device
         starts, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
         decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        max_decode_blocks = max((-(-seq_lens[i] // self.block_size) for i in decodes), default=0)
+        max_decode_blocks = max((num_blocks_for(seq_lens[i], self.block_size) for i in decodes), default=0)
         return DecodeBatch(
             token_rows=int64_tensor([starts[i] for i in decodes], device),
             seq_lens=int64_tensor([seq_lens[i] for i in decodes], device),

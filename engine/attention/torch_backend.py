@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionMetadata, KVCacheLayer, attend_decodes
+from engine.core.kv_cache_manager import num_blocks_for
 from kernels.reference import (
     causal_attention,
     copy_blocks_reference,
@@ -44,7 +45,7 @@ class TorchAttentionBackend:
             if rows.stop - rows.start == seq_len:  # nothing cached before this chunk: attend to its own K/V
                 keys, values = k[rows], v[rows]
             else:
-                block_table = metadata.block_tables[i : i + 1, : -(-seq_len // block_size)]
+                block_table = metadata.block_tables[i : i + 1, : num_blocks_for(seq_len, block_size)]
                 keys = gather_blocks(kv_cache[0], block_table)[0, :seq_len]
                 values = gather_blocks(kv_cache[1], block_table)[0, :seq_len]
             out[rows] = causal_attention(q[rows], keys, values, scale)

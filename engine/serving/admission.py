@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.core.kv_cache_manager import num_blocks_for
 from engine.core.outputs import EngineSnapshot, RemainingWork, StepStats
 
 
@@ -180,7 +181,7 @@ def forecast(
     def simulated(work: RemainingWork, blocks: int = 0, is_new: bool = False) -> _Simulated:
         return _Simulated((work.place_in_line_ts, next(given)), work, blocks, is_new)
 
-    running = [simulated(w, _blocks(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
+    running = [simulated(w, num_blocks_for(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
     swapped = [simulated(w) for w in snapshot.swapped_work]
     waiting = sorted((simulated(w) for w in (*snapshot.waiting_work, *in_engine)), key=_order)
     later = [simulated(w) for w in arriving]
@@ -205,7 +206,7 @@ def forecast(
         while index < len(running) and budget > 0 and seats > 0:
             request = running[index]
             num_new = min(request.tokens - request.computed, budget)
-            needed = _blocks(request.computed + num_new, block_size) - request.blocks
+            needed = num_blocks_for(request.computed + num_new, block_size) - request.blocks
             victim = None
             while needed > free and victim is not request:
                 victim = running.pop()
@@ -226,7 +227,7 @@ def forecast(
                 while queue and budget > 0 and seats > 0 and len(running) < stats.max_num_seqs_now:
                     request = queue[0]
                     num_new = min(request.tokens - request.computed, budget)
-                    needed = _blocks(request.computed + num_new, block_size)
+                    needed = num_blocks_for(request.computed + num_new, block_size)
                     reserve = stats.num_reserved_device_blocks if running else 0
                     if free - needed < reserve:
                         break
@@ -271,10 +272,6 @@ def _order(request: _Simulated) -> tuple[float, int]:
 
 def _insert(queue: list[_Simulated], request: _Simulated) -> None:
     bisect.insort(queue, request, key=_order)
-
-
-def _blocks(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True)
