@@ -150,7 +150,7 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_ts: float | None = None,
     ) -> Request:
-        """Queue a request; ``ValueError`` with the numbers if it is malformed or can never fit."""
+        """Queue a request; ``InvalidRequest`` with the numbers if it is malformed or can never fit."""
         request = self.prepare_request(prompt, params, request_id, arrival_ts)
         self.add_prepared_request(request)
         return request
@@ -164,30 +164,31 @@ class LLMEngine:
     ) -> Request:
         """Tokenize and validate without touching engine state (safe from another thread).
 
-        Raises ``ValueError`` with the numbers if the request is malformed or can never fit.
+        Raises ``InvalidRequest`` (the client's fault: a 400) with the numbers if the request is malformed or can
+        never fit; any other error is the server's.
         """
         prompt_ids = self._prompt_ids(prompt)
         total = len(prompt_ids) + params.max_tokens
         if total > self.info.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the model's context of {self.info.max_model_len} tokens"
             )
         blocks = num_blocks_for(total, self.config.cache.block_size)
         if blocks > self.kv_cache_manager.device_pool.num_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) needs {blocks} KV blocks "
                 f"but the whole KV pool has {self.kv_cache_manager.device_pool.num_blocks}"
             )
         budget = self.config.scheduler.max_num_batched_tokens
         if not self.config.scheduler.enable_chunked_prefill and total > budget:
             # Unchunked, a prompt (or a recompute of prompt + output) must fit one step's budget.
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt + max_tokens = {total} tokens exceeds max_num_batched_tokens ({budget}) "
                 "and chunked prefill is off"
             )
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none")
+            raise InvalidRequest("stop strings need a tokenizer; this model has none")
         for param, token_ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", [token_id for token_id, _ in params.logit_bias]),
@@ -396,16 +397,16 @@ class LLMEngine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids")
+                raise InvalidRequest("this model has no tokenizer; pass token ids")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = list(prompt)
         if not prompt_ids:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidRequest("prompt must contain at least one token")
         vocab_size = self.model_config.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+            raise InvalidRequest(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
         return prompt_ids
 
     def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float, error: str | None = None) -> None:

@@ -159,7 +159,7 @@ class AsyncEngine:
         retry_key: str | None = None,
         arrival_ts: float | None = None,
     ) -> RequestStream:
-        """Validate and queue; ``ValueError`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
+        """Validate and queue; ``InvalidRequest`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
         ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
         ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
         request = self.engine.prepare_request(prompt, params, request_id, arrival_ts)

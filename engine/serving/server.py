@@ -404,7 +404,7 @@ async def _submit_all(
             request_id, request_retry_key = f"{response_id}-{index}", f"{retry_key}-{index}"
             streams.append(async_engine.submit(prompt, params, request_id, request_retry_key, arrival_ts))
             await asyncio.sleep(0)
-    except (ValueError, AdmissionRefused) as error:
+    except (InvalidRequest, AdmissionRefused) as error:
         for stream in streams:
             async_engine.abort(stream.request_id)
         if isinstance(error, AdmissionRefused):
@@ -415,8 +415,7 @@ async def _submit_all(
                 headers={"Retry-After": str(error.retry_after_s)},
                 reason=error.reason,
             ) from None
-        param = error.param if isinstance(error, InvalidRequest) else "prompt"
-        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), param) from None
+        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), error.param) from None
     return streams
 
 

@@ -7,6 +7,7 @@ import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
+from engine.core.request import InvalidRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.config import PRESETS
@@ -67,22 +68,23 @@ def test_the_engine_multiplies_bfloat16_with_the_kernel_asked_for_and_says_which
         EngineConfig(matmul_kernel="mkl")
 
 
-def test_requests_that_can_never_fit_are_rejected_with_the_numbers():
+def test_requests_that_can_never_fit_are_the_clients_fault_with_the_numbers():
+    """InvalidRequest, which the server answers with a 400; any other error of the engine's is a 500."""
     engine = make_engine(num_blocks=8)
-    with pytest.raises(ValueError, match=r"needs 9 KV blocks but the whole KV pool has 8"):
+    with pytest.raises(InvalidRequest, match=r"needs 9 KV blocks but the whole KV pool has 8"):
         engine.add_request(list(range(1, 31)), greedy(5))
-    with pytest.raises(ValueError, match=r"exceeds the model's context of 1024 tokens"):
+    with pytest.raises(InvalidRequest, match=r"exceeds the model's context of 1024 tokens"):
         engine.add_request([1] * 1000, greedy(30))
-    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 512\)"):
+    with pytest.raises(InvalidRequest, match=r"token ids must be integers in \[0, 512\)"):
         engine.add_request([1, 512], greedy(2))
-    with pytest.raises(ValueError, match="at least one token"):
+    with pytest.raises(InvalidRequest, match="at least one token"):
         engine.add_request([], greedy(2))
     assert not engine.has_unfinished_requests()
 
 
 def test_unchunked_engine_rejects_what_cannot_fit_one_step():
     engine = make_engine(enable_chunked_prefill=False, max_num_batched_tokens=16, max_num_seqs=4)
-    with pytest.raises(ValueError, match="exceeds max_num_batched_tokens"):
+    with pytest.raises(InvalidRequest, match="exceeds max_num_batched_tokens"):
         engine.add_request(list(range(1, 15)), greedy(5))
 
 
