@@ -1,6 +1,7 @@
 """The three dashboards: Engine (what the engine does), SLO (whether it keeps its promises, from the SLO spec) and
 Chaos (what the harness did to it and what its clients saw). Queries use vLLM's names where one exists, so the
-dashboards work on a vLLM server too (kvstorm-only panels stay empty there)."""
+dashboards work on a vLLM server too (there a kvstorm-only panel has no data, and ``kvstorm dashboards render``
+names the series the server does not export)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,22 @@ GREEN, ORANGE, RED = "green", "orange", "red"
 
 
 def engine_board() -> Board:
+    return Board(
+        uid="kvstorm-engine",
+        title="kvstorm: engine",
+        description="Queues, KV pools, preemption and swap, steps, latency and outcomes of an engine",
+        rows=(
+            ("Queues and KV", _queue_and_kv_panels()),
+            ("Preemption and swap", _preemption_panels()),
+            ("Steps and throughput", _step_panels()),
+            ("Latency", _latency_panels()),
+            ("Admission", _admission_panels()),
+            ("Outcomes", _outcome_panels()),
+        ),
+    )
+
+
+def _queue_and_kv_panels() -> tuple[Panel, ...]:
     queues = Panel(
         "Requests running, waiting and swapped",
         tuple(Query(f"sum(vllm:num_requests_{state}{{{SEL}}})", state) for state in ("running", "waiting", "swapped")),
@@ -45,6 +62,10 @@ def engine_board() -> Board:
         kind="state",
         description="1 while a fault is on (engine faults through /admin/faults)",
     )
+    return queues, kv_usage, blocks, faults
+
+
+def _preemption_panels() -> tuple[Panel, ...]:
     preemptions = Panel(
         "Preemptions per second, by mode and reason",
         (
@@ -61,6 +82,15 @@ def engine_board() -> Board:
         ),
         unit="ops",
     )
+    return (
+        preemptions,
+        swap,
+        quantiles("kvstorm:swap_latency_seconds", "Swap latency of a step that swapped"),
+        rate_by("kvstorm:failed_steps_total", "error", "Failed steps per second (the engine backs off)"),
+    )
+
+
+def _step_panels() -> tuple[Panel, ...]:
     tokens = Panel(
         "Prompt and generation tokens per second",
         (
@@ -78,6 +108,21 @@ def engine_board() -> Board:
         ),
         unit="short",
     )
+    return quantiles("kvstorm:step_duration_seconds", "Step duration"), batch, tokens
+
+
+def _latency_panels() -> tuple[Panel, ...]:
+    return (
+        quantiles("vllm:time_to_first_token_seconds", "Time to first token"),
+        quantiles("vllm:inter_token_latency_seconds", "Inter-token latency"),
+        quantiles("vllm:e2e_request_latency_seconds", "End-to-end request latency"),
+        quantiles("vllm:request_queue_time_seconds", "Queue time (arrival to first scheduled)"),
+        heatmap("vllm:time_to_first_token_seconds", "Time to first token, heatmap"),
+        heatmap("vllm:inter_token_latency_seconds", "Inter-token latency, heatmap"),
+    )
+
+
+def _admission_panels() -> tuple[Panel, ...]:
     predicted_vs_observed = Panel(
         "Admission: predicted and observed time to first token",
         tuple(
@@ -129,46 +174,14 @@ def engine_board() -> Board:
         description="The feedback loop: how much slower (above 1) or faster than its step model the engine "
         "delivers first tokens, and the model's TTFT under which a request is admitted (objective / q0.95)",
     )
-    return Board(
-        uid="kvstorm-engine",
-        title="kvstorm: engine",
-        description="Queues, KV pools, preemption and swap, steps, latency and outcomes of an engine",
-        rows=(
-            ("Queues and KV", (queues, kv_usage, blocks, faults)),
-            (
-                "Preemption and swap",
-                (
-                    preemptions,
-                    swap,
-                    quantiles("kvstorm:swap_latency_seconds", "Swap latency of a step that swapped"),
-                    rate_by("kvstorm:failed_steps_total", "error", "Failed steps per second (the engine backs off)"),
-                ),
-            ),
-            (
-                "Steps and throughput",
-                (quantiles("kvstorm:step_duration_seconds", "Step duration"), batch, tokens),
-            ),
-            (
-                "Latency",
-                (
-                    quantiles("vllm:time_to_first_token_seconds", "Time to first token"),
-                    quantiles("vllm:inter_token_latency_seconds", "Inter-token latency"),
-                    quantiles("vllm:e2e_request_latency_seconds", "End-to-end request latency"),
-                    quantiles("vllm:request_queue_time_seconds", "Queue time (arrival to first scheduled)"),
-                    heatmap("vllm:time_to_first_token_seconds", "Time to first token, heatmap"),
-                    heatmap("vllm:inter_token_latency_seconds", "Inter-token latency, heatmap"),
-                ),
-            ),
-            ("Admission", (predicted_vs_observed, prediction_accuracy, admissions, margin)),
-            (
-                "Outcomes",
-                (
-                    rate_by("vllm:request_success_total", "finished_reason", "Finished requests per second by reason"),
-                    rate_by("kvstorm:rejected_requests_total", "reason", "Refused before start, per second"),
-                    rate_by("kvstorm:aborted_requests_total", "phase, reason", "Aborts per second by phase"),
-                ),
-            ),
-        ),
+    return predicted_vs_observed, prediction_accuracy, admissions, margin
+
+
+def _outcome_panels() -> tuple[Panel, ...]:
+    return (
+        rate_by("vllm:request_success_total", "finished_reason", "Finished requests per second by reason"),
+        rate_by("kvstorm:rejected_requests_total", "reason", "Refused before start, per second"),
+        rate_by("kvstorm:aborted_requests_total", "phase, reason", "Aborts per second by phase"),
     )
 
 
