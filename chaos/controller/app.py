@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request, status
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, status
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
@@ -107,15 +107,8 @@ def create_app(config: ControllerConfig) -> FastAPI:
 
     guarded = [Depends(authorized)]
 
-    @app.exception_handler(ParameterRefused)
-    async def parameter_refused(_: Request, error: ParameterRefused) -> JSONResponse:
-        return JSONResponse({"detail": str(error), "parameter": error.name, "reason": error.reason}, status_code=400)
-
-    @app.exception_handler(AdminError)
-    async def engine_refused(_: Request, error: AdminError) -> JSONResponse:
-        # A fault value the engine refused is the caller's to fix; anything else is the engine's (a bad gateway).
-        code = 400 if error.status == 400 else 502
-        return JSONResponse({"detail": f"the engine refused: {error}"}, status_code=code)
+    app.add_exception_handler(ParameterRefused, _parameter_refused)
+    app.add_exception_handler(AdminError, _engine_refused)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -126,7 +119,27 @@ def create_app(config: ControllerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/experiments", dependencies=guarded)
+    app.include_router(_run_routes(runs), dependencies=guarded)
+    app.include_router(_run_output_routes(runs), dependencies=guarded)
+    app.include_router(_fault_routes(config, admin, metrics, ad_hoc), dependencies=guarded)
+    return app
+
+
+async def _parameter_refused(_: Request, error: ParameterRefused) -> JSONResponse:
+    return JSONResponse({"detail": str(error), "parameter": error.name, "reason": error.reason}, status_code=400)
+
+
+async def _engine_refused(_: Request, error: AdminError) -> JSONResponse:
+    # A fault value the engine refused is the caller's to fix; anything else is the engine's (a bad gateway).
+    code = 400 if error.status == 400 else 502
+    return JSONResponse({"detail": f"the engine refused: {error}"}, status_code=code)
+
+
+def _run_routes(runs: RunManager) -> APIRouter:
+    """The library, and runs of it: start, list, read, stop."""
+    router = APIRouter()
+
+    @router.get("/experiments")
     async def experiments() -> list[dict[str, Any]]:
         return [
             {
@@ -140,7 +153,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
             for e in runs.library.values()
         ]
 
-    @app.post("/runs", dependencies=guarded, status_code=status.HTTP_201_CREATED)
+    @router.post("/runs", status_code=status.HTTP_201_CREATED)
     async def start_run(body: StartRun) -> dict[str, Any]:
         if body.experiment not in runs.library:
             raise HTTPException(404, f"no experiment {body.experiment!r}; GET /experiments lists them")
@@ -152,30 +165,31 @@ def create_app(config: ControllerConfig) -> FastAPI:
             raise HTTPException(500, str(error)) from None
         return run.summary()
 
-    @app.get("/runs", dependencies=guarded)
+    @router.get("/runs")
     async def list_runs() -> list[dict[str, Any]]:
         return [run.summary() for run in runs.runs.values()]
 
-    def find(run_id: str):
-        run = runs.runs.get(run_id)
-        if run is None:
-            raise HTTPException(404, f"no run {run_id!r}")
-        return run
-
-    @app.get("/runs/{run_id}", dependencies=guarded)
+    @router.get("/runs/{run_id}")
     async def get_run(run_id: str) -> dict[str, Any]:
-        return find(run_id).summary()
+        return _find(runs, run_id).summary()
 
-    @app.delete("/runs/{run_id}", dependencies=guarded)
+    @router.delete("/runs/{run_id}")
     async def stop_run(run_id: str) -> dict[str, Any]:
-        run = find(run_id)
+        run = _find(runs, run_id)
         await asyncio.to_thread(runs.stop, run)
         return run.summary()
 
-    @app.get("/runs/{run_id}/events", dependencies=guarded)
+    return router
+
+
+def _run_output_routes(runs: RunManager) -> APIRouter:
+    """A run as it happens (its events) and after (its report)."""
+    router = APIRouter()
+
+    @router.get("/runs/{run_id}/events")
     async def run_events(run_id: str) -> StreamingResponse:
         """Server-Sent Events: every event of the run so far, then the new ones, until its end."""
-        run = find(run_id)
+        run = _find(runs, run_id)
 
         async def stream() -> AsyncIterator[bytes]:
             sent = 0
@@ -190,19 +204,35 @@ def create_app(config: ControllerConfig) -> FastAPI:
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/runs/{run_id}/report", dependencies=guarded)
+    @router.get("/runs/{run_id}/report")
     async def run_report(run_id: str) -> FileResponse:
-        run = find(run_id)
+        run = _find(runs, run_id)
         reports = sorted(run.results_dir.glob("*/report.html"))
         if not reports:
             raise HTTPException(404, f"run {run_id} has no report (yet): status {run.status}")
         return FileResponse(reports[-1], media_type="text/html")
 
-    @app.get("/faults", dependencies=guarded)
+    return router
+
+
+def _find(runs: RunManager, run_id: str):
+    run = runs.runs.get(run_id)
+    if run is None:
+        raise HTTPException(404, f"no run {run_id!r}")
+    return run
+
+
+def _fault_routes(
+    config: ControllerConfig, admin: EngineAdmin, metrics: ControllerMetrics, ad_hoc: dict[str, LeaseKeeper]
+) -> APIRouter:
+    """Ad-hoc engine faults outside a run, under a lease this controller renews (``ad_hoc`` holds its keeper)."""
+    router = APIRouter()
+
+    @router.get("/faults")
     async def get_faults() -> dict[str, Any]:
         return await asyncio.to_thread(admin.faults)
 
-    @app.put("/faults", dependencies=guarded)
+    @router.put("/faults")
     async def put_faults(faults: dict[str, Any]) -> dict[str, Any]:
         """Change faults on the target engine (a JSON object of them, as its /admin/faults takes), under a lease
         this controller renews until the faults are cleared."""
@@ -215,7 +245,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
             metrics.set_fault(f"engine:{name}", value not in (None, 0, 0.0, False))
         return values
 
-    @app.delete("/faults", dependencies=guarded)
+    @router.delete("/faults")
     async def clear_faults() -> dict[str, Any]:
         if "faults" in ad_hoc:
             await asyncio.to_thread(ad_hoc.pop("faults").stop)
@@ -223,4 +253,4 @@ def create_app(config: ControllerConfig) -> FastAPI:
         metrics.clear_faults()
         return values
 
-    return app
+    return router
