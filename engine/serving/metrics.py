@@ -52,99 +52,120 @@ class EngineMetrics:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        buckets = latency_buckets(extra_buckets_s)
-        labels = ["model_name"]
-        bind = {"model_name": model_name}
+        self._latency_buckets = latency_buckets(extra_buckets_s)
+        # In the order they are exposed.
+        self._add_queue_and_kv_series()
+        self._add_event_series()
+        self._add_latency_series()
+        self._add_admission_series()
+        self._add_request_series()
+        self._start_series_at_zero()
 
-        # A series labelled by the model alone is bound once here: the engine thread updates several per token.
-        def gauge(name: str, doc: str):
-            return Gauge(name, doc, labels, registry=self.registry).labels(**bind)
+    # A series labelled by the model alone is bound once here: the engine thread updates several per token.
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
 
-        def counter(name: str, doc: str):
-            return Counter(name, doc, labels, registry=self.registry).labels(**bind)
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(model_name=self.model_name)
 
-        def histogram(name: str, doc: str, bucket_bounds: Iterable[float] = buckets):
-            return Histogram(name, doc, labels, buckets=tuple(bucket_bounds), registry=self.registry).labels(**bind)
+    def _histogram(self, name: str, doc: str, bucket_bounds: Iterable[float] | None = None):
+        buckets = tuple(self._latency_buckets if bucket_bounds is None else bucket_bounds)
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+            model_name=self.model_name
+        )
 
-        def labelled(kind, name: str, doc: str, extra: tuple[str, ...]):
-            """A family with more labels than the model: children are picked per event with ``_labels``."""
-            return kind(name, doc, [*labels, *extra], registry=self.registry)
+    def _labelled(self, kind, name: str, doc: str, extra: tuple[str, ...]):
+        """A family with more labels than the model: children are picked per event with ``_labels``."""
+        return kind(name, doc, ["model_name", *extra], registry=self.registry)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Requests in the running batch")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
-        self.num_requests_swapped = gauge("vllm:num_requests_swapped", "Requests swapped out to host memory")
-        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
-        self.cpu_cache_usage = gauge("vllm:cpu_cache_usage_perc", "Fraction of host swap blocks in use (0-1)")
-        self.free_blocks = labelled(Gauge, "kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
-        self.total_blocks = labelled(
+    def _add_queue_and_kv_series(self) -> None:
+        self.num_requests_running = self._gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.num_requests_waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_requests_swapped = self._gauge("vllm:num_requests_swapped", "Requests swapped out to host memory")
+        self.kv_cache_usage = self._gauge("vllm:kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1)")
+        self.cpu_cache_usage = self._gauge("vllm:cpu_cache_usage_perc", "Fraction of host swap blocks in use (0-1)")
+        self.free_blocks = self._labelled(Gauge, "kvstorm:free_blocks", "Free KV blocks per pool", ("pool",))
+        self.total_blocks = self._labelled(
             Gauge, "kvstorm:total_blocks", "KV blocks per pool that may be in use (less under a cap fault)", ("pool",)
         )
-        self.kv_cap_fraction = labelled(
+        self.kv_cap_fraction = self._labelled(
             Gauge, "kvstorm:kv_cap_fraction", "Fraction of each pool's blocks usable now (1: no cap fault)", ("pool",)
         )
-        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
-        self.preemptions = labelled(
+
+    def _add_event_series(self) -> None:
+        self.num_preemptions = self._counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
+        self.preemptions = self._labelled(
             Counter, "kvstorm:preemptions", "Preemptions by mode and reason", ("mode", "reason")
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
-        self.request_success = labelled(
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens")
+        self.request_success = self._labelled(
             Counter, "vllm:request_success", "Finished requests by finish reason", ("finished_reason",)
         )
-        self.aborted_requests = labelled(
+        self.aborted_requests = self._labelled(
             Counter, "kvstorm:aborted_requests", "Aborted requests by the phase they hit and why", ("phase", "reason")
         )
-        self.rejected_requests = labelled(
+        self.rejected_requests = self._labelled(
             Counter, "kvstorm:rejected_requests", "Requests refused before start", ("reason",)
         )
-        self.recomputed_tokens = counter(
+        self.recomputed_tokens = self._counter(
             "kvstorm:recomputed_tokens", "Computed tokens thrown away by recompute preemptions (computed again later)"
         )
-        self.swap_blocks = labelled(Counter, "kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",))
-        self.swap_bytes = labelled(Counter, "kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
-        self.active_faults = labelled(Gauge, "kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
-        self.failed_steps = labelled(
+        self.swap_blocks = self._labelled(
+            Counter, "kvstorm:swap_blocks", "KV blocks moved between pools", ("direction",)
+        )
+        self.swap_bytes = self._labelled(Counter, "kvstorm:swap_bytes", "KV bytes moved between pools", ("direction",))
+        self.active_faults = self._labelled(Gauge, "kvstorm:active_faults", "Faults active now (1) by name", ("fault",))
+        self.failed_steps = self._labelled(
             Counter, "kvstorm:failed_steps", "Steps whose forward pass raised (the engine backs off)", ("error",)
         )
-        self.batch_limit = labelled(
+        self.batch_limit = self._labelled(
             Gauge, "kvstorm:batch_limit", "Requests and tokens a step may take now (less while backing off)", ("of",)
         )
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds", "Gap between tokens of a request")
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish")
-        self.request_queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled")
-        self.step_duration = histogram("kvstorm:step_duration_seconds", "Duration of one engine step")
-        self.swap_latency = histogram("kvstorm:swap_latency_seconds", "Block moves of one step that swapped")
-        self.batch_tokens = histogram("kvstorm:batch_tokens", "Tokens in one step's batch", BATCH_TOKEN_BUCKETS)
-        self.admitted_requests = counter(
+
+    def _add_latency_series(self) -> None:
+        self.time_to_first_token = self._histogram("vllm:time_to_first_token_seconds", "Arrival to first token")
+        self.inter_token_latency = self._histogram(
+            "vllm:inter_token_latency_seconds", "Gap between tokens of a request"
+        )
+        self.e2e_request_latency = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to finish")
+        self.request_queue_time = self._histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled")
+        self.step_duration = self._histogram("kvstorm:step_duration_seconds", "Duration of one engine step")
+        self.swap_latency = self._histogram("kvstorm:swap_latency_seconds", "Block moves of one step that swapped")
+        self.batch_tokens = self._histogram("kvstorm:batch_tokens", "Tokens in one step's batch", BATCH_TOKEN_BUCKETS)
+
+    def _add_admission_series(self) -> None:
+        self.admitted_requests = self._counter(
             "kvstorm:admitted_requests", "Requests admission control let in (refusals: kvstorm:rejected_requests)"
         )
-        self.retries = labelled(
+        self.retries = self._labelled(
             Counter,
             "kvstorm:admission_retries",
             "Requests that came back after their Retry-After, by whether they were admitted then",
             ("outcome",),
         )
-        self.predicted_ttft = histogram(
+        self.predicted_ttft = self._histogram(
             "kvstorm:admission_predicted_ttft_seconds",
             "Time to first token admission predicted for each admitted request",
         )
-        self.ttft_prediction_ratio = histogram(
+        self.ttft_prediction_ratio = self._histogram(
             "kvstorm:admission_ttft_prediction_ratio",
             "Predicted over observed time to first token of each admitted request (1: exact)",
             PREDICTION_RATIO_BUCKETS,
         )
-        self.admission_ttft_limit = gauge(
+        self.admission_ttft_limit = self._gauge(
             "kvstorm:admission_ttft_limit_seconds",
             "The service model's time to first token under which a request is admitted now (the TTFT objective over "
             "the learnt margin; absent without an objective)",
         )
-        self.admission_correction = labelled(
+        self.admission_correction = self._labelled(
             Gauge,
             "kvstorm:admission_correction",
             "Observed over the service model's time to first token, median and 95th percentile of recent requests",
             ("quantile",),
         )
+
+    def _add_request_series(self) -> None:
         # vLLM's name and labels: a harness reads one server's KV size the same way as the other's (chaos.sizing).
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
@@ -152,10 +173,12 @@ class EngineMetrics:
             ["block_size", "num_gpu_blocks", "num_cpu_blocks", "kv_cache_size_tokens"],
             registry=self.registry,
         )
-        self.request_preemptions = histogram(
+        self.request_preemptions = self._histogram(
             "kvstorm:request_preemptions", "Preemptions a request went through", PREEMPTIONS_PER_REQUEST_BUCKETS
         )
-        # Series that exist from the start, at 0, so rate() and absent() work before the first event.
+
+    def _start_series_at_zero(self) -> None:
+        """Series that exist from the start, at 0, so rate() and absent() work before the first event."""
         for reason in FINISH_REASONS:
             self._labels(self.request_success, finished_reason=reason)
         for outcome in ("admitted", "refused"):
