@@ -39,6 +39,10 @@ from tests.engine.serving.conftest import metric_value
 from tests.loadgen.conftest import REPO_ROOT, child_env
 
 TOLERANCE_S = 0.010
+# Locust's gevent client, a fresh process sharing the 2 cores with the server, was once 12 ms over the server's
+# 501 ms mean in a full suite run (passing alone): it gets 10% of the TTFT, at least TOLERANCE_S. What the test
+# guards against, a TTFT read at the role chunk, is off by nearly the whole TTFT, so this bound still fails it.
+LOCUST_RELATIVE_TOLERANCE = 0.10
 PROMPT_TOKENS, OUTPUT_TOKENS = 400, 8  # a prefill of hundreds of milliseconds on 2 cores, then a few decodes
 
 
@@ -175,4 +179,6 @@ def test_the_locust_user_reads_the_servers_ttft(kvstorm_server, tmp_path):
     assert num_requests >= 1
     assert ttft["num_failures"] == 0
     locust_mean_s = ttft["total_response_time"] / num_requests / 1e3
-    assert locust_mean_s == pytest.approx(observed_since(kvstorm_server.url, before, num_requests), abs=TOLERANCE_S)
+    server_mean_s = observed_since(kvstorm_server.url, before, num_requests)
+    tolerance_s = max(TOLERANCE_S, LOCUST_RELATIVE_TOLERANCE * server_mean_s)
+    assert locust_mean_s == pytest.approx(server_mean_s, abs=tolerance_s)
