@@ -134,6 +134,8 @@ class LLMEngine:
             attention_backend=model.backend.name,
             matmul=self.runner.matmul,
             layer_ops=self.runner.layer_ops,
+            scheduler_config=config.scheduler,
+            watermark=cache.watermark,
         )
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
         self.last_step: StepStats | None = None
@@ -301,11 +303,12 @@ class LLMEngine:
         return EngineSnapshot(
             stats=self.scheduler.stats(),
             prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
+            copy_bytes_per_s=self.preemption_policy.copy_bytes_per_s,
             active_faults=self.faults.active(),
             last_step=self.last_step,
-            running_work=_remaining_work(self.scheduler.running),
-            swapped_work=_remaining_work(self.scheduler.swapped),
-            waiting_work=_remaining_work(self.scheduler.waiting),
+            running_work=_remaining_work(self.scheduler.running, self.kv_cache_manager.device_tables),
+            swapped_work=_remaining_work(self.scheduler.swapped, self.kv_cache_manager.host_tables),
+            waiting_work=_remaining_work(self.scheduler.waiting, {}),
             requests=requests,
         )
 
@@ -341,6 +344,7 @@ class LLMEngine:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request.request_id, status)
+        request.finished_ts = time.monotonic()
         self.runner.release([request.request_id])
 
     def _output(
@@ -487,13 +491,14 @@ class LLM:
         ]
 
 
-def _remaining_work(requests: list[Request]) -> tuple[RemainingWork, ...]:
+def _remaining_work(requests: list[Request], block_tables: dict[str, list[int]]) -> tuple[RemainingWork, ...]:
     return tuple(
         RemainingWork(
             num_tokens=r.num_tokens,
             num_computed_tokens=r.num_computed_tokens,
             num_remaining_outputs=r.sampling_params.max_tokens - r.num_output_tokens,
             place_in_line_ts=r.place_in_line_ts,
+            num_blocks=len(block_tables.get(r.request_id, ())),
         )
         for r in requests
     )

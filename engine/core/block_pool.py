@@ -55,8 +55,10 @@ class BlockPool:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def allocate(self, num_blocks: int) -> list[int] | None:
-        if num_blocks > self.num_free_blocks:
+    def allocate(self, num_blocks: int, beyond_capacity: bool = False) -> list[int] | None:
+        """``num_blocks`` free blocks, or None; ``beyond_capacity``: any the pool really has, whatever a cap says
+        (how a table held before the cap is restored)."""
+        if num_blocks > (len(self._free) if beyond_capacity else self.num_free_blocks):
             return None
         block_ids = [self._free.popleft() for _ in range(num_blocks)]
         for block_id in block_ids:

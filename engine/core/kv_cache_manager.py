@@ -45,8 +45,11 @@ class KVCacheManager:
         Returns the newly added block ids (possibly none), or None, changing
         nothing, when that would leave fewer than ``num_reserved_blocks`` free.
         """
-        needed = self.num_new_blocks_needed(request_id, num_total_tokens)
-        if needed == 0:
+        table = self.device_tables.get(request_id)
+        # num_new_blocks_needed, inline: every running request asks every step, and the forecast asks thousands of
+        # steps ahead.
+        needed = -(-num_total_tokens // self.block_size) - (len(table) if table is not None else 0)
+        if needed <= 0:
             return []
         if self.device_pool.num_free_blocks - needed < num_reserved_blocks:
             return None
@@ -55,6 +58,15 @@ class KVCacheManager:
             return None
         self.device_tables.setdefault(request_id, []).extend(new_block_ids)
         return new_block_ids
+
+    def restore_table(self, request_id: str, num_blocks: int, on_device: bool) -> None:
+        """Give a request ``num_blocks`` blocks of the device pool (or the host pool), whatever the capacity says: a
+        table as a snapshot of another manager shows it (the forecast starts from one)."""
+        pool, tables = (self.device_pool, self.device_tables) if on_device else (self.host_pool, self.host_tables)
+        block_ids = pool.allocate(num_blocks, beyond_capacity=True)
+        if block_ids is None:
+            raise ValueError(f"{pool.name} pool of {pool.num_blocks} blocks cannot hold {num_blocks} more")
+        tables.setdefault(request_id, []).extend(block_ids)
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in either pool."""

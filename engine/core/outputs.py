@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.core.config import PreemptionMode
+from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 
 
@@ -178,6 +178,8 @@ class RemainingWork(NamedTuple):
     num_remaining_outputs: int
     # Its place in the scheduler's queues (``Request.place_in_line_ts``).
     place_in_line_ts: float
+    # Blocks its table holds: on the device while it runs, on the host while it is swapped out.
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ class EngineSnapshot:
     stats: SchedulerStats
     # Prefill throughput the engine measures as it runs (tokens/s): the prior of admission's step-time model.
     prefill_tokens_per_s: float
+    # Host <-> device block copies as the engine measures them (bytes/s): what a swap costs its preemption policy.
+    copy_bytes_per_s: float
     # Every run-time fault and whether it is active now (engine.faults).
     active_faults: dict[str, bool]
     last_step: StepStats | None = None
@@ -216,3 +220,6 @@ class EngineInfo:
     matmul: str
     # How RMSNorm and rotary embeddings run: "cpu-kernels" or "torch".
     layer_ops: str
+    # The scheduler's rules and the share of the device pool new work leaves free (what a forecast replays).
+    scheduler_config: SchedulerConfig
+    watermark: float

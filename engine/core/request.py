@@ -79,6 +79,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def max_num_tokens(self) -> int:
+        """All it may ever need in the KV cache: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.sampling_params.max_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

@@ -20,8 +20,11 @@ plus ``max_tokens``) fits the pool's capacity: under a cap, one that cannot fit
 waits for the cap to lift instead of running until it preempts itself, again and
 again.
 
-The output is plain data (``SchedulerOutput``); the model runner executes it.
-After a step fails, the steps that follow are smaller (``engine.core.step_back_off``).
+A step is decided as a ``StepPlan`` (which request runs how many tokens, which blocks move, who was preempted)
+over anything that has the fields of ``SchedulableRequest``: the admission forecast (``engine.core.forecast``) runs
+these same phases over lightweight requests to see ahead in time. ``schedule`` writes the plan out as plain data
+(``SchedulerOutput``) for the model runner. After a step fails, the steps that follow are smaller
+(``engine.core.step_back_off``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import bisect
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
@@ -38,6 +42,42 @@ from engine.core.outputs import PreemptionEvent, ScheduledRequest, SchedulerOutp
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.step_back_off import StepBackOff
+
+
+class SchedulableRequest(Protocol):
+    """What the scheduler reads and writes of a request (``engine.core.request.Request`` has it all)."""
+
+    request_id: str
+    num_computed_tokens: int
+    status: RequestStatus
+    submission_index: int
+    num_preemptions: int
+    first_scheduled_ts: float | None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens it needs in the KV cache now: prompt and outputs so far."""
+        ...
+
+    @property
+    def max_num_tokens(self) -> int:
+        """All it may ever need: prompt + max_tokens."""
+        ...
+
+    @property
+    def place_in_line_ts(self) -> float: ...
+
+
+@dataclass
+class StepPlan:
+    """One step's decision: ``batch`` holds each scheduled request with its number of new tokens, in batch order;
+    block moves in the order the model runner makes them (out, then in)."""
+
+    batch: list[tuple[SchedulableRequest, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preemptions: list[PreemptionEvent] = field(default_factory=list)
+    num_batched_tokens: int = 0
 
 
 @dataclass
@@ -66,10 +106,10 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.preemption_policy = preemption_policy
         self.watermark = watermark
-        self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
+        self.requests: dict[str, SchedulableRequest] = {}
+        self.waiting: list[SchedulableRequest] = []
+        self.running: list[SchedulableRequest] = []
+        self.swapped: list[SchedulableRequest] = []
         self.num_preemptions = 0
         self.back_off = StepBackOff(
             config.max_num_seqs,
@@ -81,13 +121,25 @@ class Scheduler:
 
     # ---- requests in and out ------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: SchedulableRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         request.submission_index = next(self._submissions)
         request.status = RequestStatus.WAITING
         _insert_in_order(self.waiting, request)
+
+    def restore_request(self, request: SchedulableRequest, status: RequestStatus, num_blocks: int) -> None:
+        """Take a request over in the state an engine's snapshot shows it in: waiting, running with ``num_blocks``
+        device blocks, or swapped with ``num_blocks`` host blocks (how the forecast starts from a snapshot)."""
+        self.add_request(request)
+        if status is RequestStatus.WAITING:
+            return
+        self.waiting.remove(request)
+        queue = self.running if status is RequestStatus.RUNNING else self.swapped
+        self.kv.restore_table(request.request_id, num_blocks, on_device=status is RequestStatus.RUNNING)
+        request.status = status
+        _insert_in_order(queue, request)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop the request from every queue and free its blocks now; False if it is unknown or done."""
@@ -106,16 +158,27 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
+        """The next step, for the model runner."""
+        plan = self.plan_step()
+        return SchedulerOutput(
+            scheduled=[self._scheduled(request, num_new) for request, num_new in plan.batch],
+            blocks_to_swap_out=plan.blocks_to_swap_out,
+            blocks_to_swap_in=plan.blocks_to_swap_in,
+            preemptions=plan.preemptions,
+        )
+
+    def plan_step(self) -> StepPlan:
+        """Decide the next step: the queues and block tables change as it says; no request advances yet."""
+        plan = StepPlan()
         limit = self.back_off.limit
         budget = StepBudget(limit.max_num_batched_tokens, limit.max_num_seqs)
-        self._reclaim_over_capacity(output)
-        self._schedule_running(budget, output)
-        if not output.preemptions:
-            self._schedule_swapped(budget, output)
+        self._reclaim_over_capacity(plan)
+        self._schedule_running(budget, plan)
+        if not plan.preemptions:
+            self._schedule_swapped(budget, plan)
             if not self.swapped:
-                self._schedule_waiting(budget, output)
-        return output
+                self._schedule_waiting(budget, plan)
+        return plan
 
     def step_failed(self, output: SchedulerOutput) -> Request | None:
         """The step ``output`` raised and changed nothing: back off. Returns the request the back-off gives up on
@@ -162,11 +225,11 @@ class Scheduler:
 
     # ---- phases -------------------------------------------------------------------------------
 
-    def _reclaim_over_capacity(self, output: SchedulerOutput) -> None:
+    def _reclaim_over_capacity(self, plan: StepPlan) -> None:
         while self.kv.device_pool.num_over_capacity and self.running:
-            self._preempt_newest(output)
+            self._preempt_newest(plan)
 
-    def _schedule_running(self, budget: StepBudget, output: SchedulerOutput) -> None:
+    def _schedule_running(self, budget: StepBudget, plan: StepPlan) -> None:
         index = 0
         while index < len(self.running) and budget.tokens > 0 and budget.seats > 0:
             request = self.running[index]
@@ -175,38 +238,38 @@ class Scheduler:
                 break
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 # The newest arrival: never one already scheduled this step, since those come first.
-                if self._preempt_newest(output) is request:
+                if self._preempt_newest(plan) is request:
                     return
-            self._schedule(request, num_new, budget, output)
+            self._schedule(request, num_new, budget, plan)
             index += 1
 
-    def _schedule_swapped(self, budget: StepBudget, output: SchedulerOutput) -> None:
-        self._admit(self.swapped, self._swap_in, budget, output)
+    def _schedule_swapped(self, budget: StepBudget, plan: StepPlan) -> None:
+        self._admit(self.swapped, self._swap_in, budget, plan)
 
-    def _schedule_waiting(self, budget: StepBudget, output: SchedulerOutput) -> None:
-        self._admit(self.waiting, self._allocate_for_admission, budget, output)
+    def _schedule_waiting(self, budget: StepBudget, plan: StepPlan) -> None:
+        self._admit(self.waiting, self._allocate_for_admission, budget, plan)
 
     def _admit(
         self,
-        queue: list[Request],
-        make_room: Callable[[Request, int, SchedulerOutput], bool],
+        queue: list[SchedulableRequest],
+        make_room: Callable[[SchedulableRequest, int, StepPlan], bool],
         budget: StepBudget,
-        output: SchedulerOutput,
+        plan: StepPlan,
     ) -> None:
         """Move requests from the head of ``queue`` into the batch while budget, seats and ``make_room`` allow."""
         while queue and budget.tokens > 0 and budget.seats > 0 and len(self.running) < self.config.max_num_seqs:
             request = queue[0]
             num_new = self._num_new_tokens(request, budget.tokens)
-            if num_new == 0 or not make_room(request, request.num_computed_tokens + num_new, output):
+            if num_new == 0 or not make_room(request, request.num_computed_tokens + num_new, plan):
                 break
             queue.pop(0)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_ts is None:
                 request.first_scheduled_ts = time.monotonic()
             _insert_in_order(self.running, request)
-            self._schedule(request, num_new, budget, output)
+            self._schedule(request, num_new, budget, plan)
 
-    def _swap_in(self, request: Request, num_total_tokens: int, output: SchedulerOutput) -> bool:
+    def _swap_in(self, request: SchedulableRequest, num_total_tokens: int, plan: StepPlan) -> bool:
         """Bring a swapped request's blocks back, plus room for its new tokens, if that keeps the watermark."""
         swapped = self.kv.num_swapped_blocks(request.request_id)
         num_blocks = max(swapped, num_blocks_for(num_total_tokens, self.kv.block_size))
@@ -214,11 +277,11 @@ class Scheduler:
             self._num_reserved_blocks()
         ):
             return False
-        output.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
+        plan.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
         self.kv.allocate_slots(request.request_id, num_total_tokens)
         return True
 
-    def _allocate_for_admission(self, request: Request, num_total_tokens: int, output: SchedulerOutput) -> bool:
+    def _allocate_for_admission(self, request: SchedulableRequest, num_total_tokens: int, plan: StepPlan) -> bool:
         if not self._fits_capacity(request):
             return False
         return self.kv.allocate_slots(request.request_id, num_total_tokens, self._num_reserved_blocks()) is not None
@@ -229,40 +292,42 @@ class Scheduler:
         """Blocks new work must leave free: the watermark, which exists for running requests to grow into."""
         return int(self.watermark * self.kv.device_pool.capacity) if self.running else 0
 
-    def _fits_capacity(self, request: Request) -> bool:
+    def _fits_capacity(self, request: SchedulableRequest) -> bool:
         """Whether all the request may ever need (prompt + max_tokens) fits the device pool's capacity."""
-        max_tokens = request.num_prompt_tokens + request.sampling_params.max_tokens
-        return num_blocks_for(max_tokens, self.kv.block_size) <= self.kv.device_pool.capacity
+        return num_blocks_for(request.max_num_tokens, self.kv.block_size) <= self.kv.device_pool.capacity
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
+    def _num_new_tokens(self, request: SchedulableRequest, budget: int) -> int:
         """Tokens this request gets now: all it lacks, or (chunked prefill) as many as the budget allows."""
         remaining = request.num_tokens - request.num_computed_tokens
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _schedule(self, request: Request, num_new: int, budget: StepBudget, output: SchedulerOutput) -> None:
-        start = request.num_computed_tokens
-        output.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.token_ids(start, start + num_new),
-                num_computed_tokens=start,
-                block_ids=list(self.kv.block_ids(request.request_id)),
-                needs_sample=start + num_new == request.num_tokens,
-                sampling_params=request.sampling_params,
-                banned_token_ids=request.banned_token_ids(),
-                **(
-                    {"prompt_token_ids": request.prompt_token_ids, "output_token_ids": request.output_token_ids}
-                    if request.sampling_params.has_penalties
-                    else {}
-                ),
-            )
-        )
+    def _schedule(self, request: SchedulableRequest, num_new: int, budget: StepBudget, plan: StepPlan) -> None:
+        plan.batch.append((request, num_new))
+        plan.num_batched_tokens += num_new
         budget.tokens -= num_new
         budget.seats -= 1
 
-    def _preempt_newest(self, output: SchedulerOutput) -> Request:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """A planned share of the step as the model runner takes it (only a real ``Request`` has tokens)."""
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, start + num_new),
+            num_computed_tokens=start,
+            block_ids=list(self.kv.block_ids(request.request_id)),
+            needs_sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            banned_token_ids=request.banned_token_ids(),
+            **(
+                {"prompt_token_ids": request.prompt_token_ids, "output_token_ids": request.output_token_ids}
+                if request.sampling_params.has_penalties
+                else {}
+            ),
+        )
+
+    def _preempt_newest(self, plan: StepPlan) -> SchedulableRequest:
         victim = self.running.pop()
         num_blocks = len(self.kv.block_ids(victim.request_id))
         num_computed_tokens = victim.num_computed_tokens
@@ -270,7 +335,7 @@ class Scheduler:
             num_blocks, num_computed_tokens, self.kv.can_swap_out(victim.request_id)
         )
         if mode is PreemptionMode.SWAP:
-            output.blocks_to_swap_out.extend(self.kv.swap_out(victim.request_id))
+            plan.blocks_to_swap_out.extend(self.kv.swap_out(victim.request_id))
             victim.status = RequestStatus.SWAPPED
             _insert_in_order(self.swapped, victim)
         else:
@@ -280,7 +345,7 @@ class Scheduler:
             _insert_in_order(self.waiting, victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        output.preemptions.append(
+        plan.preemptions.append(
             PreemptionEvent(
                 request_id=victim.request_id,
                 mode=mode,
@@ -292,7 +357,7 @@ class Scheduler:
         )
         return victim
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: SchedulableRequest, status: RequestStatus) -> None:
         queues = {
             RequestStatus.WAITING: self.waiting,
             RequestStatus.RUNNING: self.running,
@@ -301,7 +366,6 @@ class Scheduler:
         queues[request.status].remove(request)
         self.kv.free(request.request_id)
         request.status = status
-        request.finished_ts = time.monotonic()
         del self.requests[request.request_id]
 
     def check_invariants(self) -> None:
@@ -314,11 +378,11 @@ class Scheduler:
             raise AssertionError(f"blocks held by requests that are not running or swapped: {sorted(owners)}")
 
 
-def _insert_in_order(queue: list[Request], request: Request) -> None:
+def _insert_in_order(queue: list[SchedulableRequest], request: SchedulableRequest) -> None:
     """Every queue is ordered by arrival (a retry's first attempt, ``Request.place_in_line_ts``); requests that
     arrived at the same instant keep submission order."""
     bisect.insort(queue, request, key=lambda r: (r.place_in_line_ts, r.submission_index))
 
 
-def _ids(requests: Iterable[Request]) -> set[str]:
+def _ids(requests: Iterable[SchedulableRequest]) -> set[str]:
     return {r.request_id for r in requests}

@@ -6,10 +6,11 @@ Three parts, each fed by what the engine really does:
 - ``StepTimeModel``: how long one engine iteration takes, as a linear function of its prefill tokens and decodes,
   fitted online (exponentially forgetting least squares) to every iteration the engine runs. A slower machine, a
   bigger model or a KV cap that makes steps slower all move it within a few hundred steps.
-- ``forecast``: replays the scheduler's rules forward from the engine's snapshot (the running batch decoding and
-  finishing, prefills chunked under the token budget, queued requests admitted in order while seats and KV blocks
-  allow, blocks returning as requests finish) with the step-time model's durations, until a new request would get
-  its first token. So a prediction counts what the engine is busy with, not only the prompts that wait.
+- ``engine.core.forecast``: runs the engine's own scheduler forward from its snapshot (the running batch decoding
+  and finishing, prefills chunked under the token budget, preemptions, queued requests admitted in order while
+  seats, KV blocks and a cap allow, blocks returning as requests finish) with the step-time model's durations,
+  until a new request would get its first token. So a prediction counts what the engine is busy with, not only the
+  prompts that wait.
 - ``AdmissionController``: the feedback loop. For every admitted request it keeps the ratio of the first-token
   time the engine then observed to the model's prediction. The median corrects the central prediction (what the
   metrics report); the 95th percentile is the margin admission uses, so that a model that runs slow or fast, or
@@ -22,7 +23,6 @@ Three parts, each fed by what the engine really does:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 import threading
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.core.kv_cache_manager import num_blocks_for
-from engine.core.outputs import EngineSnapshot, RemainingWork, StepStats
+from engine.core.forecast import FORECAST_HORIZON_S, forecast
+from engine.core.outputs import EngineInfo, EngineSnapshot, RemainingWork, StepStats
 
 
 class AdmissionRefused(Exception):
@@ -123,155 +123,9 @@ class NewRequest:
     # Its place in the scheduler's queues (``Request.place_in_line_ts``); infinity: behind every request there.
     place_in_line_ts: float = math.inf
 
-
-@dataclass(frozen=True)
-class Forecast:
-    """When a new request would be first scheduled and get its first token, in seconds from now (``math.inf``:
-    not within the forecast's horizon), and the mean step time over its first decodes (None if not reached)."""
-
-    queue_s: float
-    ttft_s: float
-    tpot_s: float | None
-
-
-# How far a forecast looks ahead at most: a request predicted later than this is refused anyway.
-FORECAST_HORIZON_S = 120.0
-FORECAST_MAX_STEPS = 5000
-# Decode steps of the new request over which its TPOT is predicted.
-TPOT_DECODES = 8
-
-
-class _Simulated:
-    """A request in the forecast: ``order`` is its place in line (the scheduler's queues keep it), with the order
-    the forecast was given the requests in to break ties."""
-
-    __slots__ = ("blocks", "computed", "is_new", "order", "remaining", "tokens")
-
-    def __init__(self, order: tuple[float, int], work: RemainingWork, blocks: int, is_new: bool = False) -> None:
-        self.order = order
-        self.tokens = work.num_tokens
-        self.computed = work.num_computed_tokens
-        self.remaining = work.num_remaining_outputs
-        self.blocks = blocks  # device blocks held
-        self.is_new = is_new
-
-
-def forecast(
-    snapshot: EngineSnapshot,
-    in_engine: Sequence[RemainingWork],
-    arriving: Sequence[RemainingWork],
-    new: NewRequest,
-    block_size: int,
-    model: StepTimeModel,
-    elapsed_s: float = 0.0,
-    horizon_s: float = FORECAST_HORIZON_S,
-) -> Forecast:
-    """Replay the scheduler (``engine.core.scheduler``) from ``snapshot``, with step times from ``model``: a step
-    on the snapshot's queues and ``in_engine`` (requests the engine took since the snapshot) started ``elapsed_s``
-    ago; ``arriving`` (submitted, not taken yet) and the ``new`` request join the waiting queue from the next step
-    on, each at its place in line. Per step, as the scheduler does: the running batch in arrival order gets its
-    next token or prefill chunk under the token budget, preempting the newest running request (to the swapped
-    queue) when blocks run out; without a preemption, swapped requests come back first, and only when none is left
-    do waiting requests enter, their prompts chunked, while the free blocks stay above the reserve. A request that
-    samples its last output finishes and frees its blocks. Recompute preemption is replayed as a swap (the
-    feedback loop corrects for what it costs)."""
-    stats = snapshot.stats
-    given = iter(range(1 << 62))
-
-    def simulated(work: RemainingWork, blocks: int = 0, is_new: bool = False) -> _Simulated:
-        return _Simulated((work.place_in_line_ts, next(given)), work, blocks, is_new)
-
-    running = [simulated(w, num_blocks_for(w.num_computed_tokens, block_size)) for w in snapshot.running_work]
-    swapped = [simulated(w) for w in snapshot.swapped_work]
-    waiting = sorted((simulated(w) for w in (*snapshot.waiting_work, *in_engine)), key=_order)
-    later = [simulated(w) for w in arriving]
-    new_work = RemainingWork(new.num_prompt_tokens, 0, new.max_tokens, new.place_in_line_ts)
-    later.append(simulated(new_work, is_new=True))
-    free = stats.num_free_device_blocks
-    if not running and not swapped and not waiting:  # an idle engine runs no step now: the new one is in the next
-        waiting, later = sorted(later, key=_order), []
-    t = -elapsed_s if later else 0.0
-    queue_s = ttft_s = None
-    new_finished = False
-    decode_steps: list[float] = []
-    for step in range(FORECAST_MAX_STEPS):
-        if step == 1 and later:
-            for request in later:
-                _insert(waiting, request)
-            t = max(t, 0.0)  # the step in progress may be late
-        budget, seats = stats.max_num_batched_tokens_now, stats.max_num_seqs_now
-        batch: list[tuple[_Simulated, int]] = []
-        preempted = False
-        index = 0
-        while index < len(running) and budget > 0 and seats > 0:
-            request = running[index]
-            num_new = min(request.tokens - request.computed, budget)
-            needed = num_blocks_for(request.computed + num_new, block_size) - request.blocks
-            victim = None
-            while needed > free and victim is not request:
-                victim = running.pop()
-                free += victim.blocks
-                victim.blocks = 0
-                preempted = True
-                _insert(swapped, victim)
-            if victim is request:
-                break
-            free -= needed
-            request.blocks += needed
-            batch.append((request, num_new))
-            budget, seats, index = budget - num_new, seats - 1, index + 1
-        if not preempted:
-            for queue in (swapped, waiting):
-                if queue is waiting and swapped:
-                    break
-                while queue and budget > 0 and seats > 0 and len(running) < stats.max_num_seqs_now:
-                    request = queue[0]
-                    num_new = min(request.tokens - request.computed, budget)
-                    needed = num_blocks_for(request.computed + num_new, block_size)
-                    reserve = stats.num_reserved_device_blocks if running else 0
-                    if free - needed < reserve:
-                        break
-                    queue.pop(0)
-                    free -= needed
-                    request.blocks = needed
-                    _insert(running, request)
-                    if request.is_new:
-                        queue_s = max(t, 0.0)
-                    batch.append((request, num_new))
-                    budget, seats = budget - num_new, seats - 1
-        num_prefill = sum(n for _, n in batch if n > 1)
-        duration_s = model.predict(num_prefill, len(batch) - sum(1 for _, n in batch if n > 1))
-        t += duration_s
-        for request, num_new in batch:
-            request.computed += num_new
-            if request.computed < request.tokens:
-                continue
-            if request.is_new:
-                if ttft_s is None:
-                    ttft_s = t
-                else:
-                    decode_steps.append(duration_s)
-            request.tokens += 1
-            request.remaining -= 1
-            if request.remaining <= 0:
-                running.remove(request)
-                free += request.blocks
-                new_finished = new_finished or request.is_new
-        if (ttft_s is not None and (len(decode_steps) >= TPOT_DECODES or new_finished)) or t > horizon_s:
-            break
-    return Forecast(
-        queue_s=math.inf if queue_s is None else queue_s,
-        ttft_s=math.inf if ttft_s is None else ttft_s,
-        tpot_s=sum(decode_steps) / len(decode_steps) if decode_steps else None,
-    )
-
-
-def _order(request: _Simulated) -> tuple[float, int]:
-    return request.order
-
-
-def _insert(queue: list[_Simulated], request: _Simulated) -> None:
-    bisect.insort(queue, request, key=_order)
+    @property
+    def work(self) -> RemainingWork:
+        return RemainingWork(self.num_prompt_tokens, 0, self.max_tokens, self.place_in_line_ts)
 
 
 @dataclass(frozen=True)
@@ -314,9 +168,9 @@ class AdmissionController:
     MIN_KEPT_SHARE = 0.1
     TAIL_QUANTILE = 0.95
 
-    def __init__(self, limits: AdmissionLimits, block_size: int, prefill_tokens_per_s: float) -> None:
+    def __init__(self, limits: AdmissionLimits, info: EngineInfo, prefill_tokens_per_s: float) -> None:
         self.limits = limits
-        self.block_size = block_size
+        self.info = info
         self.model = StepTimeModel.from_prefill_throughput(prefill_tokens_per_s)
         self._lock = threading.Lock()
         self._ratios: deque[float] = deque(maxlen=self.WINDOW)
@@ -369,7 +223,7 @@ class AdmissionController:
             new = dataclasses.replace(new, place_in_line_ts=first_attempt_ts)
         stats = snapshot.stats
         with self._lock:
-            predicted = forecast(snapshot, in_engine, arriving, new, self.block_size, self.model, elapsed_s)
+            predicted = forecast(snapshot, self.info, in_engine, arriving, new.work, self.model.predict, elapsed_s)
         central, tail = self.corrections()
         ttft_s, queue_s, tail_ttft_s = predicted.ttft_s * central, predicted.queue_s * central, predicted.ttft_s * tail
         num_waiting = stats.num_waiting + len(in_engine) + len(arriving)

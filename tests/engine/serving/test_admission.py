@@ -1,6 +1,6 @@
-"""Admission control: the forecast replays the real scheduler step for step, the step-time model and the feedback
-loop learn from scripted timings (no sleeps), and on the real model a burst far above capacity is shed with 429s
-while every admitted stream meets a generous TTFT bound and nothing breaks or leaks."""
+"""Admission control: the step-time model and the feedback loop learn from scripted timings (no sleeps), and on
+the real model a burst far above capacity is shed with 429s while every admitted stream meets a generous TTFT bound
+and nothing breaks or leaks. The forecast itself: tests/engine/core/test_forecast.py."""
 
 from __future__ import annotations
 
@@ -20,71 +20,11 @@ from engine.serving.admission import (
     AdmissionLimits,
     NewRequest,
     StepTimeModel,
-    forecast,
 )
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
-from tests.engine.serving.conftest import BLOCK_SIZE, make_engine, make_tiny_engine, metric_value, running_server
-
-# One unit of time per step, whatever is in it: the forecast's times are then step counts.
-ONE_PER_STEP = (1.0, 0.0, 0.0)
-
-
-@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
-def test_the_forecast_replays_the_scheduler_step_for_step_through_preemptions(preemption_mode):
-    """Requests arrive at random steps into an engine whose pool holds three of them at a time, so requests are
-    preempted; for each, the forecast from the snapshot before it arrived names the step of its first token."""
-    engine = make_tiny_engine(
-        kv_cache_memory=68 * 8192, swap_space=1 << 26, max_num_batched_tokens=512, preemption_mode=preemption_mode
-    )
-    assert engine.info.bytes_per_block == 8192
-    assert engine.stats().num_device_blocks == 68
-    steps = StepTimeModel(ONE_PER_STEP)
-    rng = random.Random(0)
-    predicted, first_token_step, num_steps = {}, {}, 0
-    for index in range(600):
-        if rng.random() < 0.15:
-            snapshot = engine.snapshot()
-            in_progress = engine.has_unfinished_requests()
-            if in_progress:  # a step on the snapshot runs while the request arrives, as in the server
-                for output in engine.step():
-                    first_token_step.setdefault(output.request_id, num_steps + 1)
-                num_steps += 1
-            request_id = f"r{index}"
-            prompt_len, max_tokens = rng.choice([(256, 64), (100, 16), (400, 8)])
-            predicted[request_id] = (
-                num_steps
-                - in_progress
-                + forecast(
-                    snapshot, [], [], NewRequest(prompt_len, max_tokens), BLOCK_SIZE, steps, horizon_s=math.inf
-                ).ttft_s
-            )
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request(list(range(1, prompt_len + 1)), params, request_id=request_id)
-        for output in engine.step():
-            if output.new_token_ids:
-                first_token_step.setdefault(output.request_id, num_steps + 1)
-        num_steps += 1
-    assert engine.stats().num_preemptions >= 10
-    observed = {request_id: first_token_step[request_id] for request_id in predicted if request_id in first_token_step}
-    assert len(observed) > 40
-    misses = {r: (predicted[r], observed[r]) for r in observed if predicted[r] != observed[r]}
-    assert not misses, f"forecast (steps) vs the engine: {misses}"
-
-
-def test_a_queue_behind_a_busy_batch_waits_for_blocks_not_only_for_prefill():
-    """Four requests decode in a pool with room for none more: the new one waits until they finish (30 more
-    outputs each), where counting the prompts ahead alone would say it starts at once."""
-    engine = make_tiny_engine(kv_cache_memory=24 * 8192, swap_space=0, max_num_batched_tokens=512)
-    for index in range(4):
-        engine.add_request(list(range(1, 81)), SamplingParams(max_tokens=31, ignore_eos=True), request_id=f"r{index}")
-    engine.step()
-    snapshot = engine.snapshot()
-    assert snapshot.stats.num_free_device_blocks < 6  # 4 x 6 blocks of 16 tokens held
-    predicted = forecast(snapshot, [], [], NewRequest(80, 4), BLOCK_SIZE, StepTimeModel(ONE_PER_STEP), horizon_s=1e9)
-    assert predicted.queue_s == 30  # the step in progress and 29 more: the batch's last outputs free its blocks
-    assert predicted.ttft_s == 31
+from tests.engine.serving.conftest import make_engine, make_tiny_engine, metric_value, running_server
 
 
 def test_the_step_time_model_learns_a_machine_from_its_steps():
@@ -111,7 +51,7 @@ def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
     is refused, with a Retry-After of the excess."""
     engine = make_tiny_engine(max_num_batched_tokens=256)
     snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.3), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.3), engine.info, prefill_tokens_per_s=1e6)
     controller.model = StepTimeModel((0.01, 0.0, 0.0))
     new = NewRequest(200, 10)
     admitted, model_ttft_s = controller.decide(snapshot, 0.0, [], [], new)
@@ -137,14 +77,15 @@ def test_predictions_far_below_the_objective_do_not_set_the_margin():
     """On a fresh server the first requests are predicted at a few steps and arrive a few steps late (ratios of
     2-2.5); kept, they would double the margin for a window of requests. Under a tenth of the objective they are
     not kept: the margin comes from predictions near the objective."""
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=5.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    info = make_tiny_engine().info
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=5.0), info, prefill_tokens_per_s=1e6)
     for _ in range(AdmissionController.MIN_RATIOS):
         controller.observe_first_token(0.16, 0.40)
     assert controller.corrections() == (1.0, 1.25)  # the defaults: nothing kept
     for _ in range(AdmissionController.MIN_RATIOS):
         controller.observe_first_token(3.0, 3.3)
     assert controller.corrections() == pytest.approx((1.1, 1.1))
-    without_objective = AdmissionController(AdmissionLimits(), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    without_objective = AdmissionController(AdmissionLimits(), info, prefill_tokens_per_s=1e6)
     for _ in range(AdmissionController.MIN_RATIOS):
         without_objective.observe_first_token(0.16, 0.40)
     assert without_objective.corrections() == pytest.approx((2.5, 2.5))  # the metrics' central correction
@@ -153,8 +94,9 @@ def test_predictions_far_below_the_objective_do_not_set_the_margin():
 def _one_second_objective_behind_a_busy_engine():
     """A snapshot with 5 steps of 0.18 s ahead of a new request (0.9 s), and a controller with a 1 s TTFT objective
     whose corrections are 1."""
-    snapshot = _busy_snapshot(make_tiny_engine(max_num_batched_tokens=256))
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    engine = make_tiny_engine(max_num_batched_tokens=256)
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), engine.info, prefill_tokens_per_s=1e6)
     controller.model = StepTimeModel((0.18, 0.0, 0.0))
     for _ in range(AdmissionController.WINDOW):
         controller.observe_first_token(1.0, 1.0)
@@ -209,7 +151,7 @@ def test_a_retry_goes_ahead_of_the_requests_that_arrived_since_its_first_attempt
 
 
 def test_steps_that_failed_teach_the_model_nothing():
-    controller = AdmissionController(AdmissionLimits(), BLOCK_SIZE, prefill_tokens_per_s=1000.0)
+    controller = AdmissionController(AdmissionLimits(), make_tiny_engine().info, prefill_tokens_per_s=1000.0)
     before = controller.model.coefficients
     failed = StepStats(num_scheduled=4, num_batched_tokens=400, num_prefill_tokens=396, num_swapped_in_blocks=0,
                        num_swapped_out_blocks=0, duration_s=9.0, error="OutOfMemoryError")  # fmt: skip
@@ -220,7 +162,7 @@ def test_steps_that_failed_teach_the_model_nothing():
 def test_a_predicted_tpot_over_its_objective_is_refused():
     engine = make_tiny_engine()
     snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), BLOCK_SIZE, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), engine.info, prefill_tokens_per_s=1e6)
     controller.model = StepTimeModel((0.005, 0.0, 0.001))  # 7 decodes: 12 ms a step
     assert controller.decide(snapshot, 0.0, [], [], NewRequest(10, 20))[0].refusal is None
     arriving = [RemainingWork(10, 0, 100, place_in_line_ts=math.inf)] * 10  # 17 decodes: 22 ms a step

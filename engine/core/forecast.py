@@ -1,0 +1,164 @@
+"""The scheduler run ahead in time: when would a new request get its first token?
+
+The forecast builds a ``Scheduler`` of its own from an engine's snapshot (the same queues, the same block tables in
+pools of the same sizes and caps, the same configuration, preemption costs and batch limit) over lightweight
+requests, and runs its steps (``Scheduler.plan_step``: the scheduler's own phases, so every rule, a KV cap
+included, is written once) with durations from a step-time model, until the new request has its first token and a
+few decodes. A request finishes when it has produced all its ``max_tokens``: the forecast cannot know a stop token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import EngineInfo, EngineSnapshot, RemainingWork
+from engine.core.preemption import PreemptionPolicy
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler, StepPlan
+from engine.core.step_back_off import BatchLimit
+
+# Seconds one step takes, given its prefill tokens and its decodes.
+StepTime = Callable[[int, int], float]
+
+# How far a forecast looks ahead at most: a request predicted later than this is refused anyway.
+FORECAST_HORIZON_S = 120.0
+FORECAST_MAX_STEPS = 5000
+# Decode steps of the new request over which its TPOT is predicted.
+TPOT_DECODES = 8
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """When a new request would be first scheduled and get its first token, in seconds from now (``math.inf``:
+    not within the forecast's horizon), and the mean step time over its first decodes (None if not reached)."""
+
+    queue_s: float
+    ttft_s: float
+    tpot_s: float | None
+
+
+class _ForecastRequest:
+    """A request as the forecast's scheduler sees it (``engine.core.scheduler.SchedulableRequest``)."""
+
+    __slots__ = (
+        "first_scheduled_ts",
+        "max_num_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_remaining_outputs",
+        "num_tokens",
+        "place_in_line_ts",
+        "request_id",
+        "status",
+        "submission_index",
+    )
+
+    def __init__(self, request_id: str, work: RemainingWork) -> None:
+        self.request_id = request_id
+        self.num_tokens = work.num_tokens
+        self.num_computed_tokens = work.num_computed_tokens
+        self.num_remaining_outputs = work.num_remaining_outputs
+        self.max_num_tokens = work.num_tokens + work.num_remaining_outputs
+        self.place_in_line_ts = work.place_in_line_ts
+        self.status = RequestStatus.WAITING
+        self.submission_index = 0
+        self.num_preemptions = 0
+        self.first_scheduled_ts: float | None = None
+
+
+def scheduler_from_snapshot(snapshot: EngineSnapshot, info: EngineInfo) -> Scheduler:
+    """An empty scheduler shaped as the engine's is at ``snapshot``: its pools, caps, costs and batch limit."""
+    stats = snapshot.stats
+    device_pool = BlockPool(stats.num_physical_device_blocks, "device")
+    device_pool.set_capacity(stats.num_device_blocks)
+    host_pool = BlockPool(stats.num_physical_host_blocks, "host")
+    host_pool.set_capacity(stats.num_host_blocks)
+    config = info.scheduler_config
+    policy = PreemptionPolicy(
+        config.preemption_mode, info.bytes_per_block, snapshot.copy_bytes_per_s, snapshot.prefill_tokens_per_s
+    )
+    scheduler = Scheduler(config, KVCacheManager(device_pool, host_pool, info.block_size), policy, info.watermark)
+    scheduler.back_off.limit = BatchLimit(stats.max_num_seqs_now, stats.max_num_batched_tokens_now)
+    return scheduler
+
+
+def forecast(
+    snapshot: EngineSnapshot,
+    info: EngineInfo,
+    in_engine: Sequence[RemainingWork],
+    arriving: Sequence[RemainingWork],
+    new: RemainingWork,
+    step_time: StepTime,
+    elapsed_s: float = 0.0,
+    horizon_s: float = FORECAST_HORIZON_S,
+) -> Forecast:
+    """Run the scheduler from ``snapshot``: a step on the snapshot's queues and ``in_engine`` (requests the engine
+    took since the snapshot) started ``elapsed_s`` ago; ``arriving`` (submitted, not taken yet) and the ``new``
+    request join the waiting queue from the next step on, each at its place in line."""
+    scheduler = scheduler_from_snapshot(snapshot, info)
+    names = (str(index) for index in range(1 << 62))
+    for status, works in (
+        (RequestStatus.RUNNING, snapshot.running_work),
+        (RequestStatus.SWAPPED, snapshot.swapped_work),
+        (RequestStatus.WAITING, (*snapshot.waiting_work, *in_engine)),
+    ):
+        for work in works:
+            scheduler.restore_request(_ForecastRequest(next(names), work), status, work.num_blocks)
+    later = [_ForecastRequest(next(names), work) for work in arriving]
+    new_request = _ForecastRequest(next(names), new)
+    later.append(new_request)
+    if not scheduler.has_unfinished_requests():  # an idle engine runs no step now: the new one is in the next
+        _add_all(scheduler, later)
+    t = -elapsed_s if later else 0.0
+    queue_s = ttft_s = None
+    decode_steps: list[float] = []
+    for step in range(FORECAST_MAX_STEPS):
+        if step == 1 and later:
+            _add_all(scheduler, later)
+            t = max(t, 0.0)  # the step in progress may be late
+        plan = scheduler.plan_step()
+        num_decodes = sum(1 for _, num_new in plan.batch if num_new == 1)
+        duration_s = step_time(plan.num_batched_tokens - num_decodes, num_decodes)
+        if queue_s is None and any(request is new_request for request, _ in plan.batch):
+            queue_s = max(t, 0.0)
+        t += duration_s
+        if _advance(scheduler, plan, new_request):
+            if ttft_s is None:
+                ttft_s = t
+            else:
+                decode_steps.append(duration_s)
+        new_finished = new_request.num_remaining_outputs <= 0
+        if (ttft_s is not None and (len(decode_steps) >= TPOT_DECODES or new_finished)) or t > horizon_s:
+            break
+    return Forecast(
+        queue_s=math.inf if queue_s is None else queue_s,
+        ttft_s=math.inf if ttft_s is None else ttft_s,
+        tpot_s=sum(decode_steps) / len(decode_steps) if decode_steps else None,
+    )
+
+
+def _add_all(scheduler: Scheduler, requests: list[_ForecastRequest]) -> None:
+    for request in requests:
+        scheduler.add_request(request)
+    requests.clear()
+
+
+def _advance(scheduler: Scheduler, plan: StepPlan, watched: _ForecastRequest) -> bool:
+    """The step ran as planned: each request in it computed its tokens, and one that caught up sampled an output
+    (finishing after its last). True if ``watched`` sampled one."""
+    scheduler.back_off.on_success()
+    watched_sampled = False
+    for request, num_new in plan.batch:
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens < request.num_tokens:
+            continue
+        watched_sampled = watched_sampled or request is watched
+        request.num_tokens += 1
+        request.num_remaining_outputs -= 1
+        if request.num_remaining_outputs <= 0:
+            scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+    return watched_sampled
