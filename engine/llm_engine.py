@@ -18,12 +18,14 @@ from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.attention.selector import make_attention_backend
 from engine.core.block_pool import BlockPool
 from engine.core.config import EngineConfig
-from engine.core.interface import Prompt
+from engine.core.interface import InvalidRequest, Prompt
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import (
     EngineInfo,
     EngineSnapshot,
+    FinishReason,
     PreemptionEvent,
+    PreparedRequest,
     RemainingWork,
     RequestOutput,
     RequestSnapshot,
@@ -33,7 +35,7 @@ from engine.core.outputs import (
     TokenLogprobs,
 )
 from engine.core.preemption import PreemptionPolicy
-from engine.core.request import InvalidRequest, Request, RequestStatus
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop, releasable_text_end
@@ -152,10 +154,11 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_ts: float | None = None,
     ) -> Request:
-        """Queue a request; ``InvalidRequest`` with the numbers if it is malformed or can never fit."""
-        request = self.prepare_request(prompt, params, request_id, arrival_ts)
-        self.add_prepared_request(request)
-        return request
+        """Queue a request; ``InvalidRequest`` with the numbers if it is malformed or can never fit. Returns the
+        engine's own request (offline use: the serving layer holds only the prepared one)."""
+        prepared = self.prepare_request(prompt, params, request_id, arrival_ts)
+        self.add_prepared_request(prepared)
+        return self.scheduler.requests[prepared.request_id]
 
     def prepare_request(
         self,
@@ -163,7 +166,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_ts: float | None = None,
-    ) -> Request:
+    ) -> PreparedRequest:
         """Tokenize and validate without touching engine state (safe from another thread).
 
         Raises ``InvalidRequest`` (the client's fault: a 400) with the numbers if the request is malformed or can
@@ -200,18 +203,18 @@ class LLMEngine:
                 raise InvalidRequest(
                     f"token ids {outside} are outside the vocabulary of {self.info.vocab_size} tokens", param
                 )
-        request = Request(
+        return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=tuple(prompt_ids),
             sampling_params=params,
+            arrival_ts=time.monotonic() if arrival_ts is None else arrival_ts,
             eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else frozenset(),
         )
-        if arrival_ts is not None:
-            request.arrival_ts = arrival_ts
-        return request
 
-    def add_prepared_request(self, request: Request) -> None:
-        """Queue a request made by ``prepare_request``; ``ValueError`` if its id is already in use."""
+    def add_prepared_request(self, prepared: PreparedRequest, first_attempt_ts: float | None = None) -> None:
+        """Queue a request made by ``prepare_request`` (``first_attempt_ts``: a retry's first attempt, which keeps
+        its place in line); ``ValueError`` if its id is already in use."""
+        request = Request.from_prepared(prepared, first_attempt_ts)
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
             self._texts[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer))
@@ -225,7 +228,7 @@ class LLMEngine:
         if request is None:
             return None
         phase = request.phase
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._finish(request, FinishReason.ABORT)
         return self._output(request, [], aborted_in=phase)
 
     def has_unfinished_requests(self) -> bool:
@@ -328,22 +331,22 @@ class LLMEngine:
             if stop.text_end is not None:
                 request.output_text = request.output_text[: stop.text_end]
             request.stop_reason = stop.reason
-            self._finish(request, stop.status)
+            self._finish(request, stop.finish_reason)
         return self._output(request, [token_id], (logprobs,) if logprobs is not None else None)
 
     def _give_up_after_failure(self, output: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         request = self.scheduler.step_failed(output)
         if request is None:
             return []
-        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._finish(request, FinishReason.ERROR)
         message = (
             f"the engine gave up on this request after {self.scheduler.back_off.max_failures_alone} failed steps in "
             f"which it ran alone; last error: {type(error).__name__}: {error}"
         )
         return [self._output(request, [], error=message)]
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.scheduler.finish_request(request.request_id, status)
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self.scheduler.finish_request(request.request_id, reason)
         request.finished_ts = time.monotonic()
         self.runner.release([request.request_id])
 
@@ -370,7 +373,8 @@ class LLMEngine:
             new_token_ids=new_token_ids,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
-            finish_reason=request.status.value if request.is_finished else None,
+            finish_reason=request.finish_reason,
+            timings=request.timings,
             stop_reason=request.stop_reason,
             error=error,
             logprobs=logprobs,
@@ -440,7 +444,7 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str
+    finish_reason: FinishReason
     stop_reason: int | str | None
     num_preemptions: int
     # Why the engine gave up on it (finish reason "error").

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import EngineInfo, EngineSnapshot, RemainingWork
+from engine.core.outputs import EngineInfo, EngineSnapshot, FinishReason, RemainingWork
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler, StepPlan
@@ -45,6 +45,7 @@ class _ForecastRequest:
     """A request as the forecast's scheduler sees it (``engine.core.scheduler.SchedulableRequest``)."""
 
     __slots__ = (
+        "finish_reason",
         "first_scheduled_ts",
         "max_num_tokens",
         "num_computed_tokens",
@@ -65,6 +66,7 @@ class _ForecastRequest:
         self.max_num_tokens = work.num_tokens + work.num_remaining_outputs
         self.place_in_line_ts = work.place_in_line_ts
         self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
         self.submission_index = 0
         self.num_preemptions = 0
         self.first_scheduled_ts: float | None = None
@@ -160,5 +162,5 @@ def _advance(scheduler: Scheduler, plan: StepPlan, watched: _ForecastRequest) ->
         request.num_tokens += 1
         request.num_remaining_outputs -= 1
         if request.num_remaining_outputs <= 0:
-            scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+            scheduler.finish_request(request.request_id, FinishReason.LENGTH)
     return watched_sampled

@@ -2,7 +2,8 @@
 
 ``engine.llm_engine.LLMEngine`` implements it; ``engine.serving`` may use nothing else of the engine (a test reads
 the serving modules and enforces it), so the scheduler, the block pools and the model runner can change without
-touching the server.
+touching the server. Only plain data crosses (``engine.core.outputs``): the serving layer hands over a frozen
+``PreparedRequest`` and gets outputs, timings and snapshots back; it never holds an object the engine thread changes.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.outputs import EngineInfo, EngineSnapshot, RequestOutput
-from engine.core.request import Request
+from engine.core.outputs import EngineInfo, EngineSnapshot, PreparedRequest, RequestOutput
 from engine.core.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses before it starts, the client's fault (an API answers 400); ``param`` names the
+    field at fault. Any other error of the engine's is the server's."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class TextTokenizer(Protocol):
@@ -35,12 +44,13 @@ class EngineClient(Protocol):
 
     def prepare_request(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None, arrival_ts: float | None = None
-    ) -> Request:
-        """Tokenize and validate; ``ValueError`` with the numbers if it is malformed or can never fit."""
+    ) -> PreparedRequest:
+        """Tokenize and validate; ``InvalidRequest`` with the numbers if it is malformed or can never fit."""
         ...
 
-    def add_prepared_request(self, request: Request) -> None:
-        """Queue it; ``ValueError`` if its id is in use."""
+    def add_prepared_request(self, prepared: PreparedRequest, first_attempt_ts: float | None = None) -> None:
+        """Queue it (``first_attempt_ts``: a retry keeps its place in line from then); ``ValueError`` if its id is in
+        use."""
         ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -46,9 +46,9 @@ class KVCacheManager:
         nothing, when that would leave fewer than ``num_reserved_blocks`` free.
         """
         table = self.device_tables.get(request_id)
-        # num_new_blocks_needed, inline: every running request asks every step, and the forecast asks thousands of
+        # num_new_blocks_needed without two calls: every running request asks every step, the forecast thousands of
         # steps ahead.
-        needed = -(-num_total_tokens // self.block_size) - (len(table) if table is not None else 0)
+        needed = num_blocks_for(num_total_tokens, self.block_size) - (len(table) if table is not None else 0)
         if needed <= 0:
             return []
         if self.device_pool.num_free_blocks - needed < num_reserved_blocks:

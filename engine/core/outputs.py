@@ -6,12 +6,52 @@ the engine through them.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, as the OpenAI API names it (``error``: the engine gave up on it,
+    ``engine.core.step_back_off``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request tokenized and validated (``EngineClient.prepare_request``), not yet in the engine: what the serving
+    layer holds of it. The engine builds its own mutable request from it when it is added."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    # When it reached the server (monotonic): where its latencies start.
+    arrival_ts: float
+    # Token ids that end it unless sampling_params.ignore_eos (the tokenizer's EOS ids).
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """When a request reached each milestone (monotonic seconds; None: not yet), and how often it was preempted."""
+
+    arrival_ts: float
+    first_scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    finished_ts: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +134,9 @@ class RequestOutput:
     new_token_ids: list[int]
     num_prompt_tokens: int
     num_output_tokens: int
-    finish_reason: str | None  # "stop", "length", "abort" or "error" once finished
+    finish_reason: FinishReason | None  # once finished
+    # Its milestones as of this output (the first token's time on the output that carries it).
+    timings: RequestTimings
     stop_reason: int | str | None = None
     # Why the engine gave up on the request (finish reason "error").
     error: str | None = None

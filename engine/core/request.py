@@ -6,29 +6,17 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.outputs import FinishReason, PreparedRequest, RequestTimings
 from engine.core.sampling_params import SamplingParams
 
 
-class InvalidRequest(ValueError):
-    """A request the engine refuses before it starts; ``param`` names the field at fault (for an API's error)."""
-
-    def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class RequestStatus(enum.Enum):
+    """Which queue holds the request, or none (finished; ``Request.finish_reason`` says why)."""
+
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-    FINISHED_ERROR = "error"  # the engine gave up on it (engine.core.step_back_off)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED_")
+    FINISHED = "finished"
 
 
 @dataclass(eq=False)  # identity: queues find a request by what it is, not by equal fields
@@ -58,6 +46,7 @@ class Request:
     output_text: str = ""
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_ts: float | None = None
     first_token_ts: float | None = None
@@ -96,9 +85,26 @@ class Request:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
+    @classmethod
+    def from_prepared(cls, prepared: PreparedRequest, first_attempt_ts: float | None = None) -> Request:
+        return cls(
+            request_id=prepared.request_id,
+            prompt_token_ids=list(prepared.prompt_token_ids),
+            sampling_params=prepared.sampling_params,
+            arrival_ts=prepared.arrival_ts,
+            first_attempt_ts=first_attempt_ts,
+            eos_token_ids=prepared.eos_token_ids,
+        )
+
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def timings(self) -> RequestTimings:
+        return RequestTimings(
+            self.arrival_ts, self.first_scheduled_ts, self.first_token_ts, self.finished_ts, self.num_preemptions
+        )
 
     @property
     def phase(self) -> str:

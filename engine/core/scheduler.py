@@ -38,7 +38,7 @@ from typing import Protocol
 
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from engine.core.outputs import PreemptionEvent, ScheduledRequest, SchedulerOutput, SchedulerStats
+from engine.core.outputs import FinishReason, PreemptionEvent, ScheduledRequest, SchedulerOutput, SchedulerStats
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.step_back_off import StepBackOff
@@ -50,6 +50,7 @@ class SchedulableRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     status: RequestStatus
+    finish_reason: FinishReason | None
     submission_index: int
     num_preemptions: int
     first_scheduled_ts: float | None
@@ -145,12 +146,12 @@ class Scheduler:
         """Drop the request from every queue and free its blocks now; False if it is unknown or done."""
         if request_id not in self.requests:
             return False
-        self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.finish_request(request_id, FinishReason.ABORT)
         return True
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+    def finish_request(self, request_id: str, reason: FinishReason) -> None:
         """End a request the engine decided is done: it leaves its queue and its blocks are free."""
-        self._finish(self.requests[request_id], status)
+        self._finish(self.requests[request_id], reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -357,7 +358,7 @@ class Scheduler:
         )
         return victim
 
-    def _finish(self, request: SchedulableRequest, status: RequestStatus) -> None:
+    def _finish(self, request: SchedulableRequest, reason: FinishReason) -> None:
         queues = {
             RequestStatus.WAITING: self.waiting,
             RequestStatus.RUNNING: self.running,
@@ -365,7 +366,8 @@ class Scheduler:
         }
         queues[request.status].remove(request)
         self.kv.free(request.request_id)
-        request.status = status
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
         del self.requests[request.request_id]
 
     def check_invariants(self) -> None:

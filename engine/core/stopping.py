@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.request import Request, RequestStatus
+from engine.core.outputs import FinishReason
+from engine.core.request import Request
 
 
 @dataclass(frozen=True)
 class Stop:
-    status: RequestStatus
+    finish_reason: FinishReason
     # The stop token id or stop string that ended the request; None for length.
     reason: int | str | None = None
     # Where the request's visible text ends: before a matched stop string, else all of it.
@@ -36,14 +37,14 @@ def check_stop(request: Request, num_new_chars: int) -> Stop | None:
     is_stop_token = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
     # The token was sampled after num_output_tokens - 1 others: allowed once that count reached min_tokens.
     if is_stop_token and request.num_output_tokens > params.min_tokens:
-        return Stop(RequestStatus.FINISHED_STOPPED, token_id)
+        return Stop(FinishReason.STOP, token_id)
     if params.stop and num_new_chars:
         match = _first_stop_string(request.output_text, params.stop, num_new_chars)
         if match is not None:
             position, stop_string = match
-            return Stop(RequestStatus.FINISHED_STOPPED, stop_string, position)
+            return Stop(FinishReason.STOP, stop_string, position)
     if request.num_output_tokens >= params.max_tokens:
-        return Stop(RequestStatus.FINISHED_LENGTH)
+        return Stop(FinishReason.LENGTH)
     return None
 
 

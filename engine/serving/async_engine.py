@@ -35,8 +35,14 @@ from collections.abc import AsyncIterator
 
 from engine.core.fault_limits import parse_seconds
 from engine.core.interface import EngineClient, Prompt
-from engine.core.outputs import EngineSnapshot, RemainingWork, RequestOutput
-from engine.core.request import Request
+from engine.core.outputs import (
+    EngineSnapshot,
+    FinishReason,
+    PreparedRequest,
+    RemainingWork,
+    RequestOutput,
+    RequestTimings,
+)
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.serving.metrics import EngineMetrics
@@ -51,8 +57,10 @@ class EngineFailure(Exception):
 class RequestStream:
     """One request's outputs in order; the engine thread fills it, one task consumes it."""
 
-    def __init__(self, request: Request) -> None:
-        self.request = request
+    def __init__(self, prepared: PreparedRequest, first_attempt_ts: float | None) -> None:
+        self.prepared = prepared
+        # A retry's first attempt: its place in line (None for any other request).
+        self.first_attempt_ts = first_attempt_ts
         self._queue: asyncio.Queue[RequestOutput | EngineFailure] = asyncio.Queue()
         self.num_pushed = 0  # written by the engine thread only
         self.num_taken = 0  # written by the consumer only
@@ -65,7 +73,14 @@ class RequestStream:
 
     @property
     def request_id(self) -> str:
-        return self.request.request_id
+        return self.prepared.request_id
+
+    @property
+    def remaining_work(self) -> RemainingWork:
+        """The request before the engine has scheduled any of it, as admission's forecast sees it."""
+        place_in_line_ts = self.prepared.arrival_ts if self.first_attempt_ts is None else self.first_attempt_ts
+        max_tokens = self.prepared.sampling_params.max_tokens
+        return RemainingWork(self.prepared.num_prompt_tokens, 0, max_tokens, place_in_line_ts)
 
     def put(self, item: RequestOutput | EngineFailure) -> None:
         """On the event loop only."""
@@ -104,7 +119,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, RequestStream | str]] = []  # ("add", stream) or ("abort", request_id)
         # Requests the loop took from the inbox since the last snapshot: in the engine, not yet in a snapshot.
-        self._adds_since_snapshot: list[Request] = []
+        self._adds_since_snapshot: list[RequestStream] = []
         self._streams: dict[str, RequestStream] = {}  # in flight, guarded by _cond
         self._iterations_allowed: int | None = None  # None: free-running; n >= 0: n more, then freeze
         self._frozen_until_ts: float | None = None  # the freeze fault
@@ -162,15 +177,14 @@ class AsyncEngine:
         """Validate and queue; ``InvalidRequest`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
         ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
         ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
-        request = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
-        decision, model_ttft_s = self._decide(NewRequest(request.num_prompt_tokens, params.max_tokens, retry_key))
+        prepared = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
+        decision, model_ttft_s = self._decide(NewRequest(prepared.num_prompt_tokens, params.max_tokens, retry_key))
         if decision.honoured_retry:
             self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:
             raise decision.refusal
-        request.first_attempt_ts = decision.first_attempt_ts
         self.metrics.observe_admitted(decision.ttft_s)
-        stream = RequestStream(request)
+        stream = RequestStream(prepared, decision.first_attempt_ts)
         stream.model_ttft_s, stream.predicted_ttft_s = model_ttft_s, decision.ttft_s
         with self._cond:
             if not self._streams:
@@ -202,8 +216,8 @@ class AsyncEngine:
     def _decide(self, new: NewRequest) -> tuple[Decision, float]:
         with self._cond:
             snapshot, elapsed_s = self.snapshot, time.monotonic() - self.snapshot_ts
-            in_engine = [_work(request) for request in self._adds_since_snapshot]
-            arriving = [_work(item.request) for kind, item in self._inbox if kind == "add"]
+            in_engine = [stream.remaining_work for stream in self._adds_since_snapshot]
+            arriving = [item.remaining_work for kind, item in self._inbox if kind == "add"]
         return self.admission.decide(snapshot, elapsed_s, in_engine, arriving, new)
 
     # ---- run-time control (admin) ---------------------------------------------------------------
@@ -312,7 +326,7 @@ class AsyncEngine:
                 if self._stopping:
                     return
                 commands, self._inbox = self._inbox, []
-                self._adds_since_snapshot = [item.request for kind, item in commands if kind == "add"]
+                self._adds_since_snapshot = [item for kind, item in commands if kind == "add"]
                 if self._iterations_allowed:
                     self._iterations_allowed -= 1
             deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
@@ -340,8 +354,8 @@ class AsyncEngine:
     def _apply(self, commands, deliveries) -> None:
         for kind, item in commands:
             if kind == "add":
-                self.engine.add_prepared_request(item.request)
-                self.metrics.observe_added(item.request)
+                self.engine.add_prepared_request(item.prepared, item.first_attempt_ts)
+                self.metrics.observe_added(item.prepared.num_prompt_tokens)
             else:
                 self._abort(item, "client", deliveries)
 
@@ -352,7 +366,7 @@ class AsyncEngine:
         if final is None or stream is None:  # finished before the abort arrived
             return
         self.metrics.observe_abort(final.aborted_in, reason)
-        self.metrics.observe_finished(stream.request, final.finish_reason, time.monotonic())
+        self.metrics.observe_finished(final.timings, final.finish_reason)
         deliveries.append((stream, final))
 
     def _step(self, deliveries) -> bool:
@@ -374,9 +388,9 @@ class AsyncEngine:
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
         if output.new_token_ids:
             gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
-            self.metrics.observe_tokens(stream.request, len(output.new_token_ids), gap_s)
+            self.metrics.observe_tokens(output.timings, len(output.new_token_ids), gap_s)
             if gap_s is None and stream.model_ttft_s is not None:
-                self._learn_from_first_token(stream)
+                self._learn_from_first_token(stream, output.timings)
             stream.last_token_ts = now
         stream.num_pushed += 1
         # A request the engine gave up on alone (finish reason "error") ends its stream as an engine failure.
@@ -384,7 +398,7 @@ class AsyncEngine:
         if output.finished:
             with self._cond:
                 self._streams.pop(output.request_id, None)
-            self.metrics.observe_finished(stream.request, output.finish_reason, now)
+            self.metrics.observe_finished(output.timings, output.finish_reason)
         elif stream.num_undelivered > self.limits.max_buffered_outputs:
             logger.warning(
                 "aborting %s: its client has not taken %d outputs (limit %d)",
@@ -394,9 +408,8 @@ class AsyncEngine:
             )
             self._abort(stream.request_id, "slow_client", deliveries)
 
-    def _learn_from_first_token(self, stream: RequestStream) -> None:
-        request = stream.request
-        observed_s = request.first_token_ts - request.arrival_ts
+    def _learn_from_first_token(self, stream: RequestStream, timings: RequestTimings) -> None:
+        observed_s = timings.first_token_ts - timings.arrival_ts
         self.admission.observe_first_token(stream.model_ttft_s, observed_s)
         self.metrics.observe_first_token_prediction(stream.predicted_ttft_s, observed_s)
         self.metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
@@ -404,13 +417,15 @@ class AsyncEngine:
     def _fail_all(self, message: str, deliveries) -> None:
         with self._cond:
             streams, self._streams = self._streams, {}
-        now = time.monotonic()
         for stream in streams.values():
+            final = None
             try:
-                self.engine.abort_request(stream.request_id)
+                final = self.engine.abort_request(stream.request_id)
             except Exception:  # the engine is broken already
                 logger.exception("abort of %s after a failed step failed too", stream.request_id)
-            self.metrics.observe_finished(stream.request, "error", now)
+            # Without the engine's account, the request's own: it arrived, and it ends now.
+            timings = final.timings if final is not None else RequestTimings(stream.prepared.arrival_ts)
+            self.metrics.observe_finished(timings, FinishReason.ERROR)
             deliveries.append((stream, EngineFailure(message)))
 
     def _publish(self, snapshot: EngineSnapshot) -> None:
@@ -420,11 +435,6 @@ class AsyncEngine:
         self.metrics.observe_queues(snapshot.stats)
         for fault, active in snapshot.active_faults.items():
             self.metrics.set_fault(fault, active)
-
-
-def _work(request: Request) -> RemainingWork:
-    """A request not yet scheduled, as admission's forecast sees it."""
-    return RemainingWork(request.num_tokens, 0, request.sampling_params.max_tokens, request.place_in_line_ts)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:

@@ -7,13 +7,13 @@ The engine produces plain data (``StepStats``, ``SchedulerStats``, ``PreemptionE
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.core.config import PreemptionMode
-from engine.core.outputs import SchedulerStats, StepStats
-from engine.core.request import Request
+from engine.core.outputs import FinishReason, RequestTimings, SchedulerStats, StepStats
 
 # The latency thresholds the default SLOs use (seconds). Each must be a bucket boundary: a
 # quantile or "fraction under X" can only be read from a histogram at an existing `le`.
@@ -215,8 +215,8 @@ class EngineMetrics:
             kv_cache_size_tokens=str(num_device_blocks * block_size),
         ).set(1)
 
-    def observe_added(self, request: Request) -> None:
-        self.prompt_tokens.inc(request.num_prompt_tokens)
+    def observe_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
 
     def observe_queues(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -234,20 +234,22 @@ class EngineMetrics:
         self.kv_cache_usage.set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
         self.cpu_cache_usage.set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
 
-    def observe_tokens(self, request: Request, num_new_tokens: int, gap_s: float | None) -> None:
+    def observe_tokens(self, timings: RequestTimings, num_new_tokens: int, gap_s: float | None) -> None:
         """New tokens of one request; ``gap_s`` is the time since its previous token (None for the first)."""
         self.generation_tokens.inc(num_new_tokens)
         if gap_s is None:
-            self.time_to_first_token.observe(request.first_token_ts - request.arrival_ts)
+            self.time_to_first_token.observe(timings.first_token_ts - timings.arrival_ts)
         else:
             self.inter_token_latency.observe(gap_s)
 
-    def observe_finished(self, request: Request, finish_reason: str, finished_ts: float) -> None:
+    def observe_finished(self, timings: RequestTimings, finish_reason: FinishReason) -> None:
+        """A request ended; without a finish time in ``timings`` (an engine that could not say), it ends now."""
         self._labels(self.request_success, finished_reason=finish_reason).inc()
-        self.e2e_request_latency.observe(finished_ts - request.arrival_ts)
-        if request.first_scheduled_ts is not None:
-            self.request_queue_time.observe(request.first_scheduled_ts - request.arrival_ts)
-        self.request_preemptions.observe(request.num_preemptions)
+        finished_ts = time.monotonic() if timings.finished_ts is None else timings.finished_ts
+        self.e2e_request_latency.observe(finished_ts - timings.arrival_ts)
+        if timings.first_scheduled_ts is not None:
+            self.request_queue_time.observe(timings.first_scheduled_ts - timings.arrival_ts)
+        self.request_preemptions.observe(timings.num_preemptions)
 
     def observe_abort(self, phase: str, reason: str) -> None:
         self._labels(self.aborted_requests, phase=phase, reason=reason).inc()

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from engine.core.interface import InvalidRequest
 from engine.core.outputs import RequestOutput
-from engine.core.request import InvalidRequest
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admin import add_admin_routes
 from engine.serving.admission import AdmissionRefused

@@ -7,7 +7,7 @@ import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.core.config import CacheConfig, EngineConfig, PreemptionMode, SchedulerConfig
-from engine.core.request import InvalidRequest
+from engine.core.interface import InvalidRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.model.config import PRESETS

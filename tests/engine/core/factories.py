@@ -62,7 +62,7 @@ def fake_step(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
         stop = check_stop(request, num_new_chars=0)
         if stop is not None:
             request.stop_reason = stop.reason
-            scheduler.finish_request(request.request_id, stop.status)
+            scheduler.finish_request(request.request_id, stop.finish_reason)
     return output, advanced
 
 

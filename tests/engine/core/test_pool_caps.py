@@ -6,6 +6,7 @@ import pytest
 
 from engine.core.block_pool import BlockPool
 from engine.core.config import PreemptionMode
+from engine.core.outputs import FinishReason
 from engine.core.request import RequestStatus
 from tests.engine.core.factories import fake_step, make_request, make_requests, make_scheduler, run_to_completion
 
@@ -43,7 +44,7 @@ def test_a_cap_on_a_full_pool_is_reclaimed_by_preemption_in_the_next_step_and_no
         fake_step(scheduler)
         scheduler.check_invariants()
         assert scheduler.kv.device_pool.num_used_blocks <= 6
-    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 8 for r in requests)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 8 for r in requests)
     assert scheduler.kv.device_pool.num_used_blocks == scheduler.kv.host_pool.num_used_blocks == 0
 
 
@@ -61,7 +62,7 @@ def test_a_request_that_cannot_fit_under_the_cap_waits_for_it_to_lift_instead_of
     assert big.num_preemptions == 0
     scheduler.kv.device_pool.set_capacity(20)
     run_to_completion(scheduler)
-    assert big.status is RequestStatus.FINISHED_LENGTH
+    assert big.finish_reason is FinishReason.LENGTH
 
 
 def test_a_capped_host_pool_turns_swaps_into_recomputes():

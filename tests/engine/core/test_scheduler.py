@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.core.config import PreemptionMode
+from engine.core.outputs import FinishReason
 from engine.core.request import RequestStatus
 from tests.engine.core.factories import (
     BLOCK_SIZE,
@@ -88,7 +89,7 @@ def test_finished_request_leaves_in_its_step_and_its_place_is_refilled_next_step
         scheduler.add_request(request)
     output, results = fake_step(scheduler)
     assert {s.request_id for s in output.scheduled} == {short.request_id, long_.request_id}
-    assert [r.status for r in results if r is short] == [RequestStatus.FINISHED_LENGTH]
+    assert [r.finish_reason for r in results if r is short] == [FinishReason.LENGTH]
     assert short.request_id not in scheduler.kv.device_tables
     output, _ = fake_step(scheduler)
     assert [s.request_id for s in output.scheduled] == [long_.request_id, waiting.request_id]
@@ -180,7 +181,7 @@ def test_abort_frees_blocks_immediately_in_every_state():
         held = len(scheduler.kv.block_ids(request.request_id)) + scheduler.kv.num_swapped_blocks(request.request_id)
         free_before = scheduler.kv.device_pool.num_free_blocks + scheduler.kv.host_pool.num_free_blocks
         assert scheduler.abort_request(request.request_id)
-        assert request.status is RequestStatus.FINISHED_ABORTED
+        assert request.finish_reason is FinishReason.ABORT
         assert scheduler.kv.device_pool.num_free_blocks + scheduler.kv.host_pool.num_free_blocks == free_before + held
         scheduler.check_invariants()
     assert not scheduler.abort_request(requests[0].request_id)
@@ -212,7 +213,7 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     # The fake runner always returns 7: it ends the request at the first step it is allowed.
     assert request.output_token_ids == [7, 7, 7, 7]
     assert banned == [frozenset({7})] * 3 + [frozenset()]
-    assert request.status is RequestStatus.FINISHED_STOPPED
+    assert request.finish_reason is FinishReason.STOP
 
 
 @pytest.mark.parametrize("mode", list(PreemptionMode))
@@ -222,7 +223,7 @@ def test_everything_finishes_and_every_block_returns_under_heavy_pressure(mode):
     for request in requests:
         scheduler.add_request(request)
     steps = run_to_completion(scheduler)
-    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 14 for r in requests)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 14 for r in requests)
     assert sum(len(s.preemptions) for s in steps) > 0
     assert scheduler.kv.device_pool.num_free_blocks == 12
     assert scheduler.kv.host_pool.num_free_blocks == 6

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.request import Request, RequestStatus
+from engine.core.outputs import FinishReason
+from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.stopping import check_stop, releasable_text_end
 
@@ -21,7 +22,7 @@ def request_after(tokens: list[int], text: str = "", **params: object) -> Reques
 
 
 def test_eos_ends_a_request_once_min_tokens_are_out_unless_ignored():
-    assert check_stop(request_after([9, EOS], max_tokens=8), 0).status is RequestStatus.FINISHED_STOPPED
+    assert check_stop(request_after([9, EOS], max_tokens=8), 0).finish_reason is FinishReason.STOP
     assert check_stop(request_after([9, EOS], max_tokens=8), 0).reason == EOS
     assert check_stop(request_after([9, EOS], max_tokens=8, min_tokens=2), 0) is None
     assert check_stop(request_after([9, 9, EOS], max_tokens=8, min_tokens=2), 0) is not None
@@ -31,14 +32,14 @@ def test_eos_ends_a_request_once_min_tokens_are_out_unless_ignored():
 
 def test_length_ends_a_request_at_max_tokens():
     stop = check_stop(request_after([9, 9, 9], max_tokens=3), 0)
-    assert (stop.status, stop.reason, stop.text_end) == (RequestStatus.FINISHED_LENGTH, None, None)
+    assert (stop.finish_reason, stop.reason, stop.text_end) == (FinishReason.LENGTH, None, None)
 
 
 def test_a_stop_string_is_found_where_it_completes_even_across_tokens_and_wins_over_length():
     # "\n\nQ" arrived as "\n", "\n", "Q:": the search covers the end of the text before the new characters.
     request = request_after([9, 9, 9], "The answer.\n\nQ:", max_tokens=3, stop=("\n\nQ",))
     stop = check_stop(request, num_new_chars=2)
-    assert (stop.status, stop.reason, stop.text_end) == (RequestStatus.FINISHED_STOPPED, "\n\nQ", len("The answer."))
+    assert (stop.finish_reason, stop.reason, stop.text_end) == (FinishReason.STOP, "\n\nQ", len("The answer."))
     # The earliest of several stop strings ends the text.
     request = request_after([9], "a STOP b END", max_tokens=8, stop=("END", "STOP"))
     assert check_stop(request, num_new_chars=len("a STOP b END")).text_end == 2

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from engine.core.request import Request
-from engine.core.sampling_params import SamplingParams
+from engine.core.outputs import FinishReason, RequestTimings
 from engine.serving.metrics import DEFAULT_SLO_THRESHOLDS_S, EngineMetrics, latency_buckets
 from tests.engine.serving.conftest import metric_value
 
@@ -18,10 +17,9 @@ def test_every_default_slo_threshold_is_a_bucket_boundary_from_a_millisecond_to_
 
 def test_extra_boundaries_show_up_as_le_labels_of_the_latency_histograms():
     metrics = EngineMetrics("m", extra_buckets_s=[0.123, 42.0])
-    request = Request("r", [1, 2], SamplingParams(), arrival_ts=100.0)
-    request.first_scheduled_ts, request.first_token_ts = 100.05, 100.1
-    metrics.observe_tokens(request, 1, gap_s=None)
-    metrics.observe_finished(request, "stop", finished_ts=140.0)
+    timings = RequestTimings(arrival_ts=100.0, first_scheduled_ts=100.05, first_token_ts=100.1, finished_ts=140.0)
+    metrics.observe_tokens(timings, 1, gap_s=None)
+    metrics.observe_finished(timings, FinishReason.STOP)
     exposition = metrics.exposition().decode()
     ttft = "vllm:time_to_first_token_seconds_bucket"
     assert metric_value(exposition, ttft, le="0.075") == 0
