@@ -69,81 +69,82 @@ class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
-        tokenizer: Tokenizer | None = None,
-        model: LlamaForCausalLM | None = None,
+        runner: ModelRunner,
+        kv_cache_manager: KVCacheManager,
+        preemption_policy: PreemptionPolicy,
+        info: EngineInfo,
+        tokenizer: Tokenizer | None,
+        load_timings: dict[str, float] | None = None,
     ) -> None:
-        """``model`` and ``tokenizer``, when given, are used instead of loading ``config.model`` again."""
+        """An engine over parts already built (``from_config`` builds them); the runner's faults are the engine's."""
         self.config = config
-        source = resolve_model(config.model)
-        torch.manual_seed(config.seed)
-        start = time.perf_counter()
-        dtype_choice = "the model given"
-        if model is None:
-            device = resolve_device(config.device)
-            dtype = resolve_dtype(config.dtype, device)
-            dtype_choice = describe_dtype_choice(config.dtype, device)
-            backend = make_attention_backend(config.attention_backend, device, dtype)
-            model = source.load_model(dtype=dtype, device=device, backend=backend, seed=config.seed)
-        parameter = next(model.parameters())
-        self.device, self.dtype = parameter.device, parameter.dtype
-        self.load_timings = {"model_s": time.perf_counter() - start}
-        self.model_config = model.config
-        start = time.perf_counter()
-        self.tokenizer = tokenizer if tokenizer is not None or source.kind == "random" else source.load_tokenizer()
-        self.load_timings["tokenizer_s"] = time.perf_counter() - start
-
-        cache = config.cache
-        bytes_per_block = kv_cache_bytes_per_block(self.model_config, cache.block_size, self.dtype)
-        num_device_blocks = cache.num_kv_blocks or cache.kv_cache_memory // bytes_per_block
-        if num_device_blocks < 1:
-            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes")
-        num_host_blocks = cache.swap_space // bytes_per_block
-        self.faults = EngineFaults()
+        self.runner = runner
+        self.faults: EngineFaults = runner.faults
+        self.kv_cache_manager = kv_cache_manager
+        self.preemption_policy = preemption_policy
+        self.info = info
+        self.tokenizer = tokenizer
+        self.load_timings = load_timings or {}
+        self.device = runner.device
+        self.scheduler = Scheduler(config.scheduler, kv_cache_manager, preemption_policy, config.cache.watermark)
         # Device memory a memory_hog fault holds outside the engine (None: no hog).
         self._memory_hog: torch.Tensor | None = None
-        self.runner = ModelRunner(
-            model,
-            num_device_blocks,
-            num_host_blocks,
-            cache.block_size,
-            self.faults,
-            config.batch_invariant,
-            config.invariant_rows,
-            config.matmul_kernel,
-        )
-        self.kv_cache_manager = KVCacheManager(
-            BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
-        )
-        self.preemption_policy = PreemptionPolicy(
-            config.scheduler.preemption_mode,
-            bytes_per_block,
-            copy_bytes_per_s=self.runner.measure_copy_bandwidth(),
-            prefill_tokens_per_s=self.runner.measure_prefill_throughput(),
-        )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.preemption_policy, cache.watermark)
-        self.info = EngineInfo(
-            model=config.model,
-            device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
-            dtype_choice=dtype_choice,
-            max_model_len=min(
-                config.max_model_len or self.model_config.max_position_embeddings,
-                self.model_config.max_position_embeddings,
-            ),
-            vocab_size=self.model_config.vocab_size,
-            block_size=cache.block_size,
-            bytes_per_block=bytes_per_block,
-            attention_backend=model.backend.name,
-            matmul=self.runner.matmul,
-            layer_ops=self.runner.layer_ops,
-            scheduler_config=config.scheduler,
-            watermark=cache.watermark,
-        )
         self.preemption_log: collections.deque[PreemptionEvent] = collections.deque(maxlen=self.PREEMPTION_LOG_SIZE)
         self.last_step: StepStats | None = None
         # Per live request when the model has a tokenizer.
         self._texts: dict[str, _TextState] = {}
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, tokenizer: Tokenizer | None = None, model: LlamaForCausalLM | None = None
+    ) -> LLMEngine:
+        """Load the model and tokenizer (unless given), size both block pools from their byte budgets, measure the
+        host link and the prefill throughput the preemption policy starts from, and build the engine."""
+        model, tokenizer, dtype_choice, load_timings = _load(config, tokenizer, model)
+        cache = config.cache
+        dtype = next(model.parameters()).dtype
+        bytes_per_block = kv_cache_bytes_per_block(model.config, cache.block_size, dtype)
+        num_device_blocks = cache.num_kv_blocks or cache.kv_cache_memory // bytes_per_block
+        if num_device_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cache.kv_cache_memory} bytes holds no block of {bytes_per_block} bytes")
+        num_host_blocks = cache.swap_space // bytes_per_block
+        runner = ModelRunner(
+            model,
+            num_device_blocks,
+            num_host_blocks,
+            cache.block_size,
+            EngineFaults(),
+            config.batch_invariant,
+            config.invariant_rows,
+            config.matmul_kernel,
+        )
+        kv_cache_manager = KVCacheManager(
+            BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
+        )
+        preemption_policy = PreemptionPolicy(
+            config.scheduler.preemption_mode,
+            bytes_per_block,
+            copy_bytes_per_s=runner.measure_copy_bandwidth(),
+            prefill_tokens_per_s=runner.measure_prefill_throughput(),
+        )
+        max_position_embeddings = model.config.max_position_embeddings
+        info = EngineInfo(
+            model=config.model,
+            device=str(runner.device),
+            dtype=str(dtype).removeprefix("torch."),
+            dtype_choice=dtype_choice,
+            max_model_len=min(config.max_model_len or max_position_embeddings, max_position_embeddings),
+            vocab_size=model.config.vocab_size,
+            block_size=cache.block_size,
+            bytes_per_block=bytes_per_block,
+            attention_backend=model.backend.name,
+            matmul=runner.matmul,
+            layer_ops=runner.layer_ops,
+            scheduler_config=config.scheduler,
+            watermark=cache.watermark,
+        )
+        return cls(config, runner, kv_cache_manager, preemption_policy, info, tokenizer, load_timings)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -411,7 +412,7 @@ class LLMEngine:
             prompt_ids = list(prompt)
         if not prompt_ids:
             raise InvalidRequest("prompt must contain at least one token")
-        vocab_size = self.model_config.vocab_size
+        vocab_size = self.info.vocab_size
         bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequest(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
@@ -438,6 +439,29 @@ class LLMEngine:
         )
 
 
+def _load(
+    config: EngineConfig, tokenizer: Tokenizer | None, model: LlamaForCausalLM | None
+) -> tuple[LlamaForCausalLM, Tokenizer | None, str, dict[str, float]]:
+    """The model (``model`` if given), its tokenizer (``tokenizer`` if given; none for random weights), why its
+    dtype, and how long each took to load."""
+    source = resolve_model(config.model)
+    torch.manual_seed(config.seed)
+    start = time.perf_counter()
+    dtype_choice = "the model given"
+    if model is None:
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        dtype_choice = describe_dtype_choice(config.dtype, device)
+        backend = make_attention_backend(config.attention_backend, device, dtype)
+        model = source.load_model(dtype=dtype, device=device, backend=backend, seed=config.seed)
+    load_timings = {"model_s": time.perf_counter() - start}
+    start = time.perf_counter()
+    if tokenizer is None and source.kind != "random":
+        tokenizer = source.load_tokenizer()
+    load_timings["tokenizer_s"] = time.perf_counter() - start
+    return model, tokenizer, dtype_choice, load_timings
+
+
 @dataclass(frozen=True)
 class Completion:
     request_id: str
@@ -461,7 +485,7 @@ class LLM:
         loaded_model: LlamaForCausalLM | None = None,
         **options: object,
     ) -> None:
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options), tokenizer, loaded_model)
+        self.engine = LLMEngine.from_config(EngineConfig.from_options(model=model, **options), tokenizer, loaded_model)
 
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]

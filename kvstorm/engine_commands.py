@@ -156,7 +156,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
     )
     start = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine.from_config(engine_config_from_args(args))
     load_s = time.perf_counter() - start
     tokenizer = engine.tokenizer
     if tokenizer is None:

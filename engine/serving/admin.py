@@ -19,7 +19,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from engine.serving.async_engine import AsyncEngine
-from engine.serving.protocol import ApiError
+from engine.serving.protocol import ADMIN_ROUTES, ApiError, route_definitions
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 24 * 3600
@@ -80,6 +80,20 @@ def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str
     app.on_shutdown.append(end_lease)
 
 
+async def _fault_changes(request: web.Request) -> tuple[dict[str, object], float | None]:
+    """The faults a body asks to change, and its lease (None: no lease); ``ApiError`` 400 for a malformed one."""
+    try:
+        changes = await request.json()
+    except ValueError:
+        raise ApiError(400, "the body must be a JSON object of faults") from None
+    if not isinstance(changes, dict):
+        raise ApiError(400, "the body must be a JSON object of faults")
+    lease_s = changes.pop("lease_s", None)
+    if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
+        raise ApiError(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
+    return changes, lease_s
+
+
 def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> list[web.RouteDef]:
     def authorized(handler):
         async def check(request: web.Request) -> web.StreamResponse:
@@ -102,15 +116,7 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
     async def set_faults(request: web.Request) -> web.Response:
         """Body: a JSON object of the faults to change (``engine.faults``, plus ``freeze``) and optionally
         ``lease_s``; answers with every fault's value and the lease left."""
-        try:
-            changes = await request.json()
-        except ValueError:
-            raise ApiError(400, "the body must be a JSON object of faults") from None
-        if not isinstance(changes, dict):
-            raise ApiError(400, "the body must be a JSON object of faults")
-        lease_s = changes.pop("lease_s", None)
-        if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
-            raise ApiError(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
+        changes, lease_s = await _fault_changes(request)
         try:
             faults = await run_off_loop(async_engine.update_faults, **changes)
         except ValueError as error:
@@ -141,12 +147,6 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
             raise ApiError(400, str(error), "num_steps") from None
         return web.json_response({"num_iterations": async_engine.num_iterations})
 
-    return [
-        web.get("/admin/stats", authorized(stats)),
-        web.post("/admin/pause", authorized(pause)),
-        web.post("/admin/resume", authorized(resume)),
-        web.post("/admin/step", authorized(step)),
-        web.get("/admin/faults", authorized(get_faults)),
-        web.post("/admin/faults", authorized(set_faults)),
-        web.delete("/admin/faults", authorized(clear_faults)),
-    ]
+    handlers = {"stats": stats, "pause": pause, "resume": resume, "step": step}
+    handlers |= {"get_faults": get_faults, "set_faults": set_faults, "clear_faults": clear_faults}
+    return route_definitions(ADMIN_ROUTES, {name: authorized(handler) for name, handler in handlers.items()})

@@ -12,8 +12,10 @@ common clients send those by default; anything else gets a 400 naming them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
 
@@ -403,8 +405,121 @@ _ERROR_STATUSES = {
 }
 
 
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json_content(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+_ERRORS = {
+    status: {"description": text, "content": _json_content(ErrorResponse)} for status, text in _ERROR_STATUSES.items()
+}
+
+
+def _generate(request_model: type[BaseModel], response_model: type[BaseModel], summary: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json_content(request_model)},
+        "responses": {
+            "200": {
+                "description": "The result, or with stream=true server-sent events ending with [DONE]",
+                "content": {**_json_content(response_model), "text/event-stream": {"schema": {"type": "string"}}},
+            },
+            **_ERRORS,
+        },
+    }
+
+
+def _read(description: str, content: dict[str, Any], not_now: str | None = None) -> dict[str, Any]:
+    """A GET; ``not_now``: what its 503 (same content) means."""
+    responses = {"200": {"description": description, "content": content}}
+    if not_now is not None:
+        responses["503"] = {"description": not_now, "content": content}
+    return {"responses": responses}
+
+
+def _admin(description: str) -> dict[str, Any]:
+    return {
+        "security": [{"adminToken": []}],
+        "responses": {"200": {"description": description}, "401": {"description": "Missing or wrong admin token"}},
+    }
+
+
+@dataclass(frozen=True)
+class Route:
+    """One route of the server: the router registers the handler named ``name``, the OpenAPI document describes it
+    with ``operation``; both read this table, so neither lists a route the other lacks."""
+
+    method: str
+    path: str
+    name: str
+    operation: dict[str, Any]
+
+
+_TEXT = {"text/plain": {"schema": {"type": "string"}}}
+ROUTES = (
+    Route(
+        "POST", "/v1/completions", "completions", _generate(CompletionRequest, CompletionResponse, "Text completion")
+    ),
+    Route(
+        "POST",
+        "/v1/chat/completions",
+        "chat_completions",
+        _generate(ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
+    ),
+    Route("GET", "/v1/models", "models", _read("The served model", _json_content(ModelList))),
+    Route(
+        "GET",
+        "/health",
+        "health",
+        _read(
+            "The engine is stepping (or idle)",
+            _json_content(HealthResponse),
+            not_now="Requests in flight and no step for --stall-timeout",
+        ),
+    ),
+    Route(
+        "GET",
+        "/ready",
+        "ready",
+        _read("Ready for traffic", _json_content(ReadyResponse), not_now="Not ready; reasons say why"),
+    ),
+    Route("GET", "/metrics", "metrics", _read("Prometheus text exposition", _TEXT)),
+    Route("GET", "/openapi.json", "openapi", _read("This document", {"application/json": {"schema": {}}})),
+)
+# Only on a server with an admin token (engine.serving.admin).
+ADMIN_ROUTES = (
+    Route("GET", "/admin/stats", "stats", _admin("Pools, queues and every live request's phase")),
+    Route("POST", "/admin/pause", "pause", _admin("The engine loop stops between steps")),
+    Route("POST", "/admin/resume", "resume", _admin("The engine loop runs again")),
+    Route("POST", "/admin/step", "step", _admin("A paused engine runs num_steps loop iterations (query, default 1)")),
+    Route(
+        "GET",
+        "/admin/faults",
+        "get_faults",
+        _admin("Every fault's value (engine/faults.py, plus freeze) and the lease left (lease_s)"),
+    ),
+    Route(
+        "POST",
+        "/admin/faults",
+        "set_faults",
+        _admin("Change some faults (a JSON object of them, optionally lease_s); answers with them all"),
+    ),
+    Route("DELETE", "/admin/faults", "clear_faults", _admin("Every fault off, the lease ended; answers with them all")),
+)
+
+
+def route_definitions(routes: tuple[Route, ...], handlers: dict[str, Any]) -> list[web.RouteDef]:
+    """The router's entries for ``routes``, each to the handler of its name; ``handlers`` must name exactly them."""
+    if set(handlers) != {route.name for route in routes}:
+        raise ValueError(f"handlers {sorted(handlers)} do not match the routes {sorted(r.name for r in routes)}")
+    return [web.route(route.method, route.path, handlers[route.name]) for route in routes]
+
+
 def openapi_document(include_admin: bool) -> dict[str, Any]:
-    """OpenAPI 3.1 generated from the models the handlers validate with and answer with."""
+    """OpenAPI 3.1 of the route table, its schemas generated from the models the handlers validate and answer with."""
     models = [
         CompletionRequest,
         ChatCompletionRequest,
@@ -416,62 +531,9 @@ def openapi_document(include_admin: bool) -> dict[str, Any]:
         ReadyResponse,
     ]
     _, schemas = models_json_schema([(m, "validation") for m in models], ref_template="#/components/schemas/{model}")
-
-    def ref(model: type[BaseModel]) -> dict[str, str]:
-        return {"$ref": f"#/components/schemas/{model.__name__}"}
-
-    def json_content(model: type[BaseModel]) -> dict[str, Any]:
-        return {"application/json": {"schema": ref(model)}}
-
-    errors = {
-        status: {"description": text, "content": json_content(ErrorResponse)}
-        for status, text in _ERROR_STATUSES.items()
-    }
-
-    def generate(request_model: type[BaseModel], response_model: type[BaseModel], summary: str) -> dict[str, Any]:
-        return {
-            "post": {
-                "summary": summary,
-                "requestBody": {"required": True, "content": json_content(request_model)},
-                "responses": {
-                    "200": {
-                        "description": "The result, or with stream=true server-sent events ending with [DONE]",
-                        "content": {
-                            **json_content(response_model),
-                            "text/event-stream": {"schema": {"type": "string"}},
-                        },
-                    },
-                    **errors,
-                },
-            }
-        }
-
-    def get(description: str, content: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"get": {"responses": {"200": {"description": description, "content": content}, **(extra or {})}}}
-
-    paths: dict[str, Any] = {
-        "/v1/completions": generate(CompletionRequest, CompletionResponse, "Text completion"),
-        "/v1/chat/completions": generate(ChatCompletionRequest, ChatCompletionResponse, "Chat completion"),
-        "/v1/models": get("The served model", json_content(ModelList)),
-        "/health": get(
-            "The engine is stepping (or idle)",
-            json_content(HealthResponse),
-            {
-                "503": {
-                    "description": "Requests in flight and no step for --stall-timeout",
-                    "content": json_content(HealthResponse),
-                }
-            },
-        ),
-        "/ready": get(
-            "Ready for traffic",
-            json_content(ReadyResponse),
-            {"503": {"description": "Not ready; reasons say why", "content": json_content(ReadyResponse)}},
-        ),
-        "/metrics": get("Prometheus text exposition", {"text/plain": {"schema": {"type": "string"}}}),
-    }
-    if include_admin:
-        paths.update(_admin_paths())
+    paths: dict[str, Any] = {}
+    for route in ROUTES + (ADMIN_ROUTES if include_admin else ()):
+        paths.setdefault(route.path, {})[route.method.lower()] = route.operation
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "kvstorm", "version": "0.1.0"},
@@ -481,27 +543,3 @@ def openapi_document(include_admin: bool) -> dict[str, Any]:
     if include_admin:
         document["components"]["securitySchemes"] = {"adminToken": {"type": "http", "scheme": "bearer"}}
     return document
-
-
-def _admin_paths() -> dict[str, Any]:
-    unauthorized = {"401": {"description": "Missing or wrong admin token"}}
-
-    def route(method: str, description: str) -> dict[str, Any]:
-        return {
-            method: {
-                "security": [{"adminToken": []}],
-                "responses": {"200": {"description": description}, **unauthorized},
-            }
-        }
-
-    return {
-        "/admin/stats": route("get", "Pools, queues and every live request's phase"),
-        "/admin/pause": route("post", "The engine loop stops between steps"),
-        "/admin/resume": route("post", "The engine loop runs again"),
-        "/admin/step": route("post", "A paused engine runs num_steps loop iterations (query, default 1)"),
-        "/admin/faults": {
-            **route("get", "Every fault's value (engine/faults.py, plus freeze) and the lease left (lease_s)"),
-            **route("post", "Change some faults (a JSON object of them, optionally lease_s); answers with them all"),
-            **route("delete", "Every fault off, the lease ended; answers with them all"),
-        },
-    }

@@ -32,6 +32,7 @@ from engine.serving.admission import AdmissionRefused
 from engine.serving.async_engine import AsyncEngine, EngineFailure, RequestStream
 from engine.serving.protocol import (
     MAX_SEED,
+    ROUTES,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +43,7 @@ from engine.serving.protocol import (
     Usage,
     api_error_from_validation,
     openapi_document,
+    route_definitions,
 )
 from engine.serving.streaming import (
     ChoiceAssembler,
@@ -119,18 +121,21 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
     app[ASYNC_ENGINE] = async_engine
     app[SERVER_CONFIG] = config
     app[LIFECYCLE] = Lifecycle()
-    app.router.add_post("/v1/completions", _completions)
-    app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/ready", _ready)
-    app.router.add_get("/metrics", _metrics)
     document = openapi_document(include_admin=config.admin_token is not None)
 
     async def openapi(_: web.Request) -> web.Response:
         return web.json_response(document)
 
-    app.router.add_get("/openapi.json", openapi)
+    handlers = {
+        "completions": _completions,
+        "chat_completions": _chat_completions,
+        "models": _models,
+        "health": _health,
+        "ready": _ready,
+        "metrics": _metrics,
+        "openapi": openapi,
+    }
+    app.add_routes(route_definitions(ROUTES, handlers))
     if config.admin_token is not None:
         add_admin_routes(app, async_engine, config.admin_token)
 

@@ -32,7 +32,7 @@ def make_engine(num_blocks: int = 24, num_host_blocks: int = 16, **scheduler: ob
         scheduler=SchedulerConfig(**{"max_num_batched_tokens": 32, **scheduler}),
         debug_invariants=True,
     )
-    return LLMEngine(config)
+    return LLMEngine.from_config(config)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -44,7 +44,7 @@ def test_a_pool_given_in_blocks_has_that_many_whatever_a_block_weighs(dtype):
     config = EngineConfig(
         model="random:tiny", device="cpu", dtype=dtype, cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=20)
     )
-    engine = LLMEngine(config)
+    engine = LLMEngine.from_config(config)
     assert engine.stats().num_device_blocks == 20
     assert engine.info.bytes_per_block == kv_cache_bytes_per_block(PRESETS["tiny"], BLOCK_SIZE, getattr(torch, dtype))
     with pytest.raises(ValueError, match="num_kv_blocks must be >= 1, got 0"):
@@ -54,7 +54,7 @@ def test_a_pool_given_in_blocks_has_that_many_whatever_a_block_weighs(dtype):
 @pytest.mark.parametrize("matmul_kernel", ["auto", "onednn"])
 def test_the_engine_multiplies_bfloat16_with_the_kernel_asked_for_and_says_which(matmul_kernel):
     config = EngineConfig(model="random:tiny", device="cpu", dtype="bfloat16", matmul_kernel=matmul_kernel)
-    engine = LLMEngine(config)
+    engine = LLMEngine.from_config(config)
     if matmul_kernel == "auto" and tile_matmul_isa():  # every layer of the tiny model fits the tiles
         assert engine.info.matmul == f"kvstorm-{tile_matmul_isa()}, batch-invariant at any row count"
     elif packing_applies(torch.device("cpu"), torch.bfloat16):

@@ -48,4 +48,4 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     config = EngineConfig(model="random:tiny", device="cpu", attention_backend="triton")
     with pytest.raises(ValueError, match="needs CUDA"):
-        LLMEngine(config)
+        LLMEngine.from_config(config)

@@ -14,8 +14,11 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from engine.serving.async_engine import AsyncEngine
+from engine.serving.metrics import EngineMetrics
 from engine.serving.protocol import openapi_document
-from tests.engine.serving.conftest import make_engine, running_server
+from engine.serving.server import ServerConfig, create_app
+from tests.engine.serving.conftest import make_engine, make_tiny_engine, running_server
 
 MAX_MODEL_LEN = 48
 
@@ -49,3 +52,20 @@ def test_the_document_describes_the_validated_request_fields(server):
     assert completion["additionalProperties"] is False
     assert set(completion["required"]) == {"model", "prompt"}
     assert completion["properties"]["max_tokens"]["anyOf"][0] == {"minimum": 1, "type": "integer"}
+
+
+@pytest.mark.parametrize("admin_token", [None, "s3cret-admin-token"])
+def test_the_router_and_the_document_list_the_same_routes(admin_token):
+    """Both are built from one route table: a route the server answers is documented, and a documented one exists
+    (the admin routes only with a token)."""
+    engine = make_tiny_engine()
+    app = create_app(
+        AsyncEngine(engine, EngineMetrics("m")), ServerConfig(served_model_name="m", admin_token=admin_token)
+    )
+    routed = {
+        (route.method.lower(), route.resource.canonical) for route in app.router.routes() if route.method != "HEAD"
+    }
+    document = openapi_document(include_admin=admin_token is not None)
+    documented = {(method, path) for path, operations in document["paths"].items() for method in operations}
+    assert routed == documented
+    assert (("post", "/admin/faults") in routed) == (admin_token is not None)
