@@ -31,9 +31,6 @@ from chaos.sizing import measure_target as measure
 from chaos.state import current
 from loadgen.arrivals import scale_rates
 
-# Faults whose value turns them off (everything else turns them on).
-_OFF = (None, 0, 0.0, False)
-
 
 def measure_target(
     target_url: str,
@@ -114,21 +111,21 @@ def _measured() -> TargetSize:
 def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 30.0) -> dict[str, Any]:
     """Change engine faults under a lease this process renews while it runs (``chaos.engine_admin.LeaseKeeper``):
     the rollbacks clear the faults, and if this process dies the engine clears them ``lease_s`` later. ``freeze``
-    gets its window from its own duration."""
+    gets its window from its own duration. Which faults are on is the server's word (its ``active``), not a rule of
+    the harness's own."""
     admin = EngineAdmin(target_url)
     values = admin.set_faults(faults, lease_s=lease_s)
     state, now = current(), time.time()
     if target_url not in state.lease_keepers:
         state.lease_keepers[target_url] = LeaseKeeper(admin, lease_s)
-    for name, value in faults.items():
+    for name in faults:
         window = f"engine:{name}"
-        if name == "freeze" and value not in _OFF:
+        if name in values["active"]:
             state.fault_on(window, now)
-            state.fault_off(window, now + float(value))
-        elif value in _OFF:
-            state.fault_off(window, now)
+            if name == "freeze":
+                state.fault_off(window, now + values["freeze"])
         else:
-            state.fault_on(window, now)
+            state.fault_off(window, now)
     return values
 
 

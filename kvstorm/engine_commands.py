@@ -311,7 +311,7 @@ def _load_off_the_main_thread(config: EngineConfig) -> LLMEngine:
     "Serving speed").
     """
     with ThreadPoolExecutor(1, thread_name_prefix="engine-load") as loader:
-        return loader.submit(LLMEngine, config).result()
+        return loader.submit(LLMEngine.from_config, config).result()
 
 
 async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: float) -> None:

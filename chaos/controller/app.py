@@ -241,8 +241,8 @@ def _fault_routes(
         values = await asyncio.to_thread(admin.set_faults, faults, config.lease_s)
         if "faults" not in ad_hoc:
             ad_hoc["faults"] = LeaseKeeper(admin, config.lease_s)
-        for name, value in faults.items():
-            metrics.set_fault(f"engine:{name}", value not in (None, 0, 0.0, False))
+        for name in faults:
+            metrics.set_fault(f"engine:{name}", name in values["active"])
         return values
 
     @router.delete("/faults")

@@ -236,7 +236,8 @@ class AsyncEngine:
     def update_faults(self, **changes: object) -> dict[str, object]:
         """Change faults: the engine's (``engine.faults``) and ``freeze`` (seconds the loop stops for, from now;
         null or 0 ends a freeze). ``ValueError`` for a bad one, and then nothing changes; no changes to read them.
-        Returns every fault's value (``freeze``: the seconds left). Waits for the step in progress."""
+        Returns every fault's value (``freeze``: the seconds left) and ``active``, the names of those on now (the
+        engine's rule: what a harness shows as a fault window). Waits for the step in progress."""
         freeze = {"freeze": changes.pop("freeze")} if "freeze" in changes else {}
         freeze_s = parse_seconds("freeze", freeze.get("freeze") or 0)
         with self._engine_lock:
@@ -244,7 +245,7 @@ class AsyncEngine:
             self._publish(self.engine.snapshot())
         if freeze:
             self._freeze(freeze_s)
-        return {**faults, "freeze": self.freeze_remaining_s}
+        return self._fault_values(faults)
 
     def clear_faults(self) -> dict[str, object]:
         """Every fault off, the freeze ended; returns every fault's value. A delay in progress ends within a slice,
@@ -254,7 +255,12 @@ class AsyncEngine:
             faults = self.engine.clear_faults()
             self._publish(self.engine.snapshot())
         self._freeze(0.0)
-        return {**faults, "freeze": None}
+        return self._fault_values(faults)
+
+    def _fault_values(self, engine_faults: dict[str, object]) -> dict[str, object]:
+        freeze_s = self.freeze_remaining_s
+        active = [name for name, on in self.snapshot.active_faults.items() if on] + ["freeze"] * (freeze_s is not None)
+        return {**engine_faults, "freeze": freeze_s, "active": sorted(active)}
 
     @property
     def freeze_remaining_s(self) -> float | None:

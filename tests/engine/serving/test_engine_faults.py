@@ -198,7 +198,9 @@ def test_a_freeze_stalls_health_while_streams_wait_and_everything_resumes_by_its
     reader.start()
     wait_until(lambda: requests.get(f"{server.url}/admin/stats", headers=server.admin_headers).json()["requests"],
                "the streams to start")  # fmt: skip
-    assert set_faults(server, {"freeze": 3})["freeze"] > 2
+    frozen = set_faults(server, {"freeze": 3})
+    assert frozen["freeze"] > 2
+    assert frozen["active"] == ["freeze"]  # the server's word on which faults are on, which the harness reads
     health = f"{server.url}/health"
     stalled = wait_until(lambda: requests.get(health).status_code == 503, "/health to report the stall (1 s)")
     assert stalled

@@ -26,6 +26,7 @@ NO_FAULTS = {
     "fail_next_steps": 0,
     "memory_hog": 0,
     "freeze": None,
+    "active": [],
     "lease_s": None,
 }
 
@@ -41,6 +42,7 @@ def test_streams_survive_a_vram_cap_and_only_a_request_failing_alone_ends_in_err
         assert set_faults(server, {"oom_above_batched_tokens": 16}).json() == {
             **NO_FAULTS,
             "oom_above_batched_tokens": 16,
+            "active": ["oom_above_batched_tokens"],
         }
         streams = [
             stream_in_background(server.url, prompt=list(range(1 + i, 1 + i + PROMPT_LEN)), max_tokens=MAX_TOKENS)
