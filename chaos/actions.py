@@ -1,18 +1,18 @@
 """Chaos Toolkit actions of the kvstorm extension (``provider: {type: python, module: chaos.actions, func: ...}``).
 
 Each returns something JSON-able for the journal and records what it did (loads, fault windows) in the run's state
-(``chaos.state``) for the probes and the verdict. Engine faults need kvstorm's admin token in
+(``chaos.run.state``) for the probes and the verdict. Engine faults need kvstorm's admin token in
 ``$KVSTORM_ADMIN_TOKEN``; the rest works against any OpenAI-compatible server.
 
-- ``measure_target``: the server's capacity and KV size (``chaos.sizing``), for the loads sized from them;
+- ``measure_target``: the server's capacity and KV size (``chaos.run.sizing``), for the loads sized from them;
 - ``run_load``: the load generator, to the end of the load (declare it ``background: true`` so the faults that
   follow in the method happen during it); its rates can be multiples of the measured capacity and its request
   count a multiple of the measured KV size;
 - ``set_engine_faults`` / ``clear_engine_faults``: ``/admin/faults`` (``engine/faults.py``) with a lease, so the
   engine clears them by itself if this process dies;
 - ``start_proxy`` / ``set_proxy_faults`` / ``reset_proxy_connections`` / ``clear_proxy_faults`` / ``stop_proxy``:
-  network faults between the load and the server (``chaos.proxy``);
-- ``disconnect_storm``: clients hanging up at a phase, then a leak check (``chaos.disconnects``);
+  network faults between the load and the server (``chaos.injectors.proxy``);
+- ``disconnect_storm``: clients hanging up at a phase, then a leak check (``chaos.injectors.disconnects``);
 - ``kill_server`` / ``restart_server``: the server this experiment started (``chaos.controls``).
 """
 
@@ -22,13 +22,13 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from chaos import load as loads
-from chaos.disconnects import disconnect_storm as run_storm
-from chaos.engine_admin import EngineAdmin, LeaseKeeper
-from chaos.proxy import FaultProxy
-from chaos.sizing import TargetSize, requests_for_kv
-from chaos.sizing import measure_target as measure
-from chaos.state import current
+from chaos.injectors.disconnects import disconnect_storm as run_storm
+from chaos.injectors.engine_admin import EngineAdmin, LeaseKeeper
+from chaos.injectors.proxy import FaultProxy
+from chaos.run import load as loads
+from chaos.run.sizing import TargetSize, requests_for_kv
+from chaos.run.sizing import measure_target as measure
+from chaos.run.state import current
 from loadgen.arrivals import scale_rates
 
 
@@ -42,7 +42,7 @@ def measure_target(
     num_requests: int = 16,
 ) -> dict[str, Any]:
     """Read the server's KV size and measure its capacity with these request shapes (``num_requests`` 0: the KV
-    size only; ``chaos.sizing``); the loads that follow can be sized from them (``run_load``'s ``rate_unit`` and
+    size only; ``chaos.run.sizing``); the loads that follow can be sized from them (``run_load``'s ``rate_unit`` and
     ``kv_multiple``)."""
     shapes = {"workload": workload, "input_len": input_len, "output_len": output_len}
     size = measure(target_url, model, shapes=shapes, concurrency=concurrency, num_requests=num_requests)
@@ -109,10 +109,10 @@ def _measured() -> TargetSize:
 
 
 def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 30.0) -> dict[str, Any]:
-    """Change engine faults under a lease this process renews while it runs (``chaos.engine_admin.LeaseKeeper``):
-    the rollbacks clear the faults, and if this process dies the engine clears them ``lease_s`` later. ``freeze``
-    gets its window from its own duration. Which faults are on is the server's word (its ``active``), not a rule of
-    the harness's own."""
+    """Change engine faults under a lease this process renews while it runs
+    (``chaos.injectors.engine_admin.LeaseKeeper``): the rollbacks clear the faults, and if this process dies the
+    engine clears them ``lease_s`` later. ``freeze`` gets its window from its own duration. Which faults are on is
+    the server's word (its ``active``), not a rule of the harness's own."""
     admin = EngineAdmin(target_url)
     values = admin.set_faults(faults, lease_s=lease_s)
     state, now = current(), time.time()
@@ -152,7 +152,7 @@ def start_proxy(upstream_url: str, listen_port: int = 0, name: str = "proxy") ->
 
 
 def set_proxy_faults(direction: str = "downstream", name: str = "proxy", **faults: Any) -> dict[str, Any]:
-    """Network faults of one direction (``chaos.proxy.DirectionFaults``: latency_s, jitter_s,
+    """Network faults of one direction (``chaos.injectors.proxy.DirectionFaults``: latency_s, jitter_s,
     bandwidth_bytes_per_s, slice_bytes, stall, reset_after_bytes)."""
     values = current().proxies[name].set_faults(direction, **faults)
     window = f"network:{direction}"
@@ -201,7 +201,7 @@ def disconnect_storm(
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """``num_requests`` clients hang up at ``phase``; then the server must return to its queues and KV usage of
-    before the storm (``chaos.disconnects``)."""
+    before the storm (``chaos.injectors.disconnects``)."""
     window = f"disconnects:{phase}"
     current().fault_on(window)
     try:

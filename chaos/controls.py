@@ -9,12 +9,12 @@ It does three things:
 - **An experiment the server cannot take stops before it starts.** One that injects engine faults needs kvstorm's
   ``/admin/faults``; against a server without it the run is interrupted before the baseline, and the journal
   carries the reason (``kvstorm_not_applicable``), which the verdict reports as NOT APPLICABLE
-  (``chaos.applicability``).
+  (``chaos.judgement.applicability``).
 
 - **A baseline miss fails the run.** chaostoolkit-lib records a steady state missed before the method as status
   "completed", not deviated, and the stock ``chaos run`` then exits 0 although nothing was injected. After the
   experiment this control marks such a journal "failed", so the stock CLI exits 1 (``kvstorm chaos run`` judges the
-  journal itself: NOT RUN, ``chaos.verdict.judge``).
+  journal itself: NOT RUN, ``chaos.judgement.verdict.judge``).
 - **A managed server** (optional): with a ``command`` it starts the server under test before the experiment and
   stops it after, so the experiment can kill and restart it (``chaos.actions.kill_server`` / ``restart_server``)::
 
@@ -32,9 +32,9 @@ from typing import Any
 
 from chaoslib.exceptions import InterruptExecution
 
-from chaos.applicability import inapplicability
-from chaos.processes import ManagedServer
-from chaos.state import current
+from chaos.injectors.processes import ManagedServer
+from chaos.judgement.applicability import inapplicability
+from chaos.run.state import current
 
 logger = logging.getLogger("chaostoolkit")
 

@@ -4,12 +4,12 @@ The steady-state hypothesis runs before the method and again after it, with the 
 
 - probes over a load (``load_latency``, ``load_outcomes``, ``load_success_ratio``) read the load the method ran;
   before the method, when that load has not run, they read a calm baseline instead: a few requests one at a time
-  with the experiment's request shapes (``chaos.load.load_for_probe``), so "the SLOs hold before" means the server
+  with the experiment's request shapes (``chaos.run.load.load_for_probe``), so "the SLOs hold before" means the server
   meets them when nothing is wrong;
 - ``settled`` records what the server holds (queues, KV) before the method, and after it waits for the server to
   return there;
 - ``leaked_kv_blocks`` then counts KV blocks still held beyond that;
-- ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.slo_check``).
+- ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.judgement.slo_check``).
 
 Every probe reads only HTTP (``/metrics``, ``/health``), so the hypothesis holds as well against vLLM. Thresholds
 live in each probe's tolerance in the experiment file (a range ``[0, X]`` for a latency in seconds).
@@ -22,10 +22,10 @@ from typing import Any
 
 import requests
 
-from chaos.load import load_for_probe
-from chaos.metrics import EngineActivity, KVOccupancy, scrape, wait_until_settled
-from chaos.slo_check import SloResult, evaluate, run_spec
-from chaos.state import current
+from chaos.judgement.slo_check import SloResult, evaluate, run_spec
+from chaos.run.load import load_for_probe
+from chaos.run.metrics import EngineActivity, KVOccupancy, scrape, wait_until_settled
+from chaos.run.state import current
 from loadgen.analysis import METRICS, STATS
 from loadgen.records import Outcome
 

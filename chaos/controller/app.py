@@ -29,7 +29,7 @@ from chaos.controller.guard import MAX_BODY_BYTES, Guard
 from chaos.controller.metrics import ControllerMetrics
 from chaos.controller.parameters import ParameterRefused, describe
 from chaos.controller.runs import RunConflict, RunManager, RunStartFailed
-from chaos.engine_admin import AdminError, EngineAdmin, LeaseKeeper
+from chaos.injectors.engine_admin import AdminError, EngineAdmin, LeaseKeeper
 
 EVENT_POLL_S = 0.2
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]

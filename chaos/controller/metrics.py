@@ -17,7 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from chaos.metrics import MetricsSample, scrape
+from chaos.run.metrics import MetricsSample, scrape
 
 PHASES = ("steady state before", "method", "steady state after", "rollbacks")
 # Used when the target exposes no vLLM histograms to copy (1 ms to 10 min, roughly 1-2-5).
@@ -97,7 +97,7 @@ class ControllerMetrics:
         self._faults_seen: set[str] = set()
 
     def observe(self, run_id: str, experiment: str, event: dict[str, Any]) -> None:
-        """One event of a run (``chaos.state.RunState.emit``)."""
+        """One event of a run (``chaos.run.state.RunState.emit``)."""
         kind = event["type"]
         if kind == "fault":
             self.set_fault(event["name"], event["active"])

@@ -29,8 +29,8 @@ import yaml
 
 from chaos.controller.metrics import ControllerMetrics
 from chaos.controller.parameters import OPERATOR_PARAMETERS, SCHEMAS, ParameterRefused, check_overrides
-from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
-from chaos.runner import EXPERIMENTS_DIR
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
+from chaos.run.runner import EXPERIMENTS_DIR
 
 STOP_GRACE_S = 60.0
 
@@ -62,7 +62,8 @@ class Run:
     overrides: dict[str, Any]
     results_dir: Path
     started_unix: float = field(default_factory=time.time)
-    # running, then the verdict's status (chaos.verdict.STATUSES: held, not_run, deviated, ...), or stopped / error.
+    # running, then the verdict's status (chaos.judgement.verdict.STATUSES: held, not_run, deviated, ...), or
+    # stopped / error.
     status: str = "running"
     phase: str | None = None
     verdict: dict[str, Any] | None = None

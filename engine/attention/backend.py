@@ -174,6 +174,9 @@ class AttentionBackend(Protocol):
     """
 
     name: str  # the --attention-backend that names it: torch, cpu or triton
+    # Whether the compiled decoder-layer kernel computes this backend's attention bit for bit, so a layer may run as
+    # one call (engine.model.decoder_layer_kernel).
+    fuses_into_decoder_layer: bool
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None: ...
 

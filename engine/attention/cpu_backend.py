@@ -17,6 +17,7 @@ from kernels.reference import copy_blocks_reference, reshape_and_cache_reference
 class CpuAttentionBackend:
     copy_blocks = staticmethod(copy_blocks_reference)
     name = "cpu"
+    fuses_into_decoder_layer = True
 
     def forward(
         self,

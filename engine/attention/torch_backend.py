@@ -25,6 +25,7 @@ class TorchAttentionBackend:
 
     copy_blocks = staticmethod(copy_blocks_reference)
     name = "torch"
+    fuses_into_decoder_layer = False
 
     def forward(
         self,

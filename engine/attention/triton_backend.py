@@ -16,6 +16,7 @@ from kernels.triton_paged_attention import paged_decode_attention, paged_prefill
 class TritonAttentionBackend:
     copy_blocks = staticmethod(copy_blocks)
     name = "triton"
+    fuses_into_decoder_layer = False
 
     def forward(
         self,

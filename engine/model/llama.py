@@ -3,12 +3,13 @@
 Tokens of all sequences in a step are flattened into one dimension T; the
 attention backend is the only place that knows which token belongs to which
 sequence. Weights use fused projections (QKV, gate+up) so each layer makes
-four matmuls; ``load_weights`` takes Hugging Face names and fuses on the fly.
+four matmuls; ``load_weights`` takes Hugging Face names and fuses on the fly
+(``engine.model.weight_names``). On the CPU a layer may run as one kernel call
+(``engine.model.decoder_layer_kernel``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 import torch
@@ -16,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, KVCacheLayer
-from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.model.config import ModelConfig
-from engine.model.packed_linear import TILE_LAYOUT, PackedLinear, PackedSwiGLU, pack_linear_layers
-from kernels.cpu_extension import compiled_kernels
+from engine.model.decoder_layer_kernel import forward_in_one_call, runs_in_one_call
+from engine.model.packed_linear import PackedLinear, PackedSwiGLU, pack_linear_layers
+from engine.model.weight_names import load_hf_weights
 from kernels.cpu_layer_ops import rms_norm_cpu, rotate_heads_cpu_
 
 
@@ -141,51 +142,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, metadata, backend):
         if self.runs_as_one_call:
-            return self.forward_in_one_call(x, cos, sin, kv_cache, metadata)
+            return forward_in_one_call(self, x, cos, sin, kv_cache, metadata)
         x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, metadata, backend)
         return self.mlp(self.post_attn_norm(x), x)
-
-    def forward_in_one_call(self, x, cos, sin, kv_cache: KVCacheLayer, metadata: AttentionMetadata) -> torch.Tensor:
-        """The layer in one call of the compiled CPU kernels (``kernels/csrc/decoder_layer.cpp``): the kernels the
-        modules call one by one, in the same order and with the same roundings, without Python and operator dispatch
-        between them (about as long as the matmuls themselves in a small batch's decode step)."""
-        attn, mlp, c = self.attn, self.mlp, self.attn.config
-        row_seqs, row_lens = metadata.row_contexts
-        return compiled_kernels().decoder_layer(
-            x.contiguous(),
-            self.input_norm.weight,
-            self.post_attn_norm.weight,
-            self.input_norm.eps,
-            attn.qkv_proj.packed_weight,
-            attn.qkv_proj.bias,
-            attn.o_proj.packed_weight,
-            mlp.swiglu.gate_up,
-            mlp.residual_down.down,
-            cos,
-            sin,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            *kv_cache,
-            metadata.slot_mapping,
-            metadata.block_tables,
-            row_seqs,
-            row_lens,
-            attn.scale,
-        )
-
-    def can_run_as_one_call(self, backend: AttentionBackend) -> bool:
-        """Whether ``forward_in_one_call`` computes this layer: its matmuls packed for the tile matmuls, attention on
-        the CPU backend's kernel."""
-        matmuls = (
-            self.attn.qkv_proj,
-            self.attn.o_proj,
-            getattr(self.mlp, "swiglu", None),
-            getattr(self.mlp, "residual_down", None),
-        )
-        return isinstance(backend, CpuAttentionBackend) and all(
-            getattr(matmul, "layout", None) == TILE_LAYOUT for matmul in matmuls
-        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,95 +198,18 @@ class LlamaForCausalLM(nn.Module):
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same
         roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer; and where every
         layer's matmuls are packed for the tile matmuls (after ``pack_linear_weights``) and attention is the CPU
-        backend's, each decoder layer in one call (``DecoderLayer.forward_in_one_call``), which it returns.
+        backend's, each decoder layer in one call (``engine.model.decoder_layer_kernel``), which it returns.
         ``False`` goes back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rms_norm_cpu if enabled else rms_norm
             elif isinstance(module, Attention):
                 module.rotate_heads_ = rotate_heads_cpu_ if enabled else rotate_heads_
-        one_call = enabled and all(layer.can_run_as_one_call(self.backend) for layer in self.layers)
+        one_call = enabled and all(runs_in_one_call(layer, self.backend) for layer in self.layers)
         for layer in self.layers:
             layer.runs_as_one_call = one_call
         return one_call
 
-    @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into our (fused) parameters.
-
-        Raises ``ValueError`` on an unknown name, a shape mismatch, or a parameter left unset.
-        """
-        params = dict(self.named_parameters())
-        expected = {(name, shard) for name in params for shard in _shards_of(name)}
-        loaded: set[tuple[str, str | None]] = set()
-        for hf_name, tensor in named_tensors:
-            target = self._parameter_for(hf_name)
-            if target is None:
-                continue
-            name, shard = target
-            if name not in params:
-                raise ValueError(f"weight {hf_name!r} maps to unknown parameter {name!r}")
-            dest = params[name].data
-            if shard is not None:
-                dest = dest.narrow(0, *self._shard_range(shard))
-            if dest.shape != tensor.shape:
-                raise ValueError(f"weight {hf_name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
-            dest.copy_(tensor)
-            loaded.add((name, shard))
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"checkpoint has no weights for {len(missing)} parameters, e.g. {sorted(missing)[:4]}")
-
-    def _parameter_for(self, hf_name: str) -> tuple[str, str | None] | None:
-        """Our parameter name (and fused shard) for a Hugging Face weight name; None to skip it."""
-        if hf_name.endswith("rotary_emb.inv_freq") or (hf_name == "lm_head.weight" and self.config.tie_word_embeddings):
-            return None
-        if hf_name == "lm_head.weight":
-            return "lm_head.weight", None
-        match = _HF_LAYER_NAME.fullmatch(hf_name)
-        if match:
-            layer, module, proj, kind = match.groups()
-            if proj in _FUSED_SHARDS:
-                fused, shard = _FUSED_SHARDS[proj]
-                return f"layers.{layer}.{_RENAMED.get(module, module)}.{fused}.{kind}", shard
-            return f"layers.{layer}.{_RENAMED.get(module, module)}.{proj}.{kind}", None
-        match = _HF_NORM_NAME.fullmatch(hf_name)
-        if match:
-            layer, norm = match.groups()
-            return f"layers.{layer}.{_RENAMED[norm]}.weight", None
-        renamed = _HF_TOP_LEVEL.get(hf_name)
-        if renamed is None:
-            raise ValueError(f"unexpected weight {hf_name!r} in checkpoint")
-        return renamed, None
-
-    def _shard_range(self, shard: str) -> tuple[int, int]:
-        c = self.config
-        return {
-            "q": (0, c.q_size),
-            "k": (c.q_size, c.kv_size),
-            "v": (c.q_size + c.kv_size, c.kv_size),
-            "gate": (0, c.intermediate_size),
-            "up": (c.intermediate_size, c.intermediate_size),
-        }[shard]
-
-
-# model.layers.3.self_attn.q_proj.weight -> ("3", "self_attn", "q_proj", "weight")
-_HF_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.(weight|bias)")
-_HF_NORM_NAME = re.compile(r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight")
-_RENAMED = {"self_attn": "attn", "input_layernorm": "input_norm", "post_attention_layernorm": "post_attn_norm"}
-_FUSED_SHARDS = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-_HF_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "norm.weight"}
-
-
-def _shards_of(param_name: str) -> tuple[str | None, ...]:
-    if ".qkv_proj." in param_name:
-        return ("q", "k", "v")
-    if ".gate_up_proj." in param_name:
-        return ("gate", "up")
-    return (None,)
+        """Copy Hugging Face-named tensors into our (fused) parameters (``engine.model.weight_names``)."""
+        load_hf_weights(self, self.config, named_tensors)

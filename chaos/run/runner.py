@@ -31,11 +31,11 @@ from chaoslib.experiment import run_experiment
 from chaoslib.loader import load_experiment
 from rich.console import Console
 
-from chaos.progress import LiveLine
-from chaos.slo_check import run_spec
-from chaos.state import RunState, reset
-from chaos.verdict import Verdict, build_verdict
-from chaos.verdict_view import print_verdict, to_html, to_markdown
+from chaos.judgement.slo_check import run_spec
+from chaos.judgement.verdict import Verdict, build_verdict
+from chaos.judgement.verdict_view import print_verdict, to_html, to_markdown
+from chaos.run.progress import LiveLine
+from chaos.run.state import RunState, reset
 from dashboards.build import boards
 from dashboards.render import render
 from dashboards.rules import recordings
@@ -43,15 +43,15 @@ from dashboards.slo import load_spec
 from loadgen.report import write_report
 from loadgen.results import RunResult, replacing, write_text_atomic
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 REPORT_BOARDS = ("kvstorm-slo", "kvstorm-engine")
 # An experiment's load sends a request or two a second: percentiles per 5 s say more than per 1 s.
 REPORT_BUCKET_S = 5.0
 SETTINGS = {
     "runtime": {"rollbacks": {"strategy": "always"}},
     "controls": {
-        "kvstorm-progress": {"provider": {"type": "python", "module": "chaos.progress"}},
-        "kvstorm-stop-loads": {"provider": {"type": "python", "module": "chaos.stop_loads"}},
+        "kvstorm-progress": {"provider": {"type": "python", "module": "chaos.run.progress"}},
+        "kvstorm-stop-loads": {"provider": {"type": "python", "module": "chaos.run.stop_loads"}},
     },
 }
 

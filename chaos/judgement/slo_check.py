@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from chaos.metrics import MetricsSample
-from chaos.state import LoadRun, current
+from chaos.run.metrics import MetricsSample
+from chaos.run.state import LoadRun, current
 from dashboards.slo import GUARDRAIL_FOR_S, Scrape, Slo, load_spec
 
 

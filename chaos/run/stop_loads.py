@@ -3,7 +3,7 @@
 Chaos Toolkit turns a SIGTERM (the controller's stop) or a Ctrl-C into an interruption, but before it runs the
 rollbacks it waits for the method's background activities to return, and a load returns when its whole schedule has
 been sent. For the run, this control wraps the handlers of both signals: the signal first sets
-``RunState.stopping``, which ``chaos.load`` watches, then interrupts as before.
+``RunState.stopping``, which ``chaos.run.load`` watches, then interrupts as before.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from chaos.state import current
+from chaos.run.state import current
 
 _replaced: dict[int, Any] = {}
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from chaos.engine_admin import EngineAdmin
-from chaos.metrics import EngineActivity, KVOccupancy, MetricsSample, scrape, wait_until_settled
+from chaos.injectors.engine_admin import EngineAdmin
+from chaos.run.metrics import EngineActivity, KVOccupancy, MetricsSample, scrape, wait_until_settled
 from loadgen.sse import SseParser
 
 TOKEN_PHASES = ("early_decode", "late_decode", "last_token")

@@ -8,9 +8,9 @@ import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from chaos.metrics import scrape
-from chaos.monitor import MetricsMonitor
-from chaos.state import LoadRun, current
+from chaos.run.metrics import scrape
+from chaos.run.monitor import MetricsMonitor
+from chaos.run.state import LoadRun, current
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 

@@ -1,5 +1,5 @@
 """A verdict as tables: one list of sections, rendered for the terminal (rich), markdown and the HTML report (the
-renderers take any sections: ``chaos.compare``'s side-by-side table is one)."""
+renderers take any sections: ``chaos.judgement.compare``'s side-by-side table is one)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from chaos.disconnects import NOT_EXPORTED
-from chaos.metrics import EngineActivity
-from chaos.sizing import CACHE_CONFIG_SERIES, TargetSize
-from chaos.verdict import Check, Verdict
+from chaos.injectors.disconnects import NOT_EXPORTED
+from chaos.judgement.verdict import Check, Verdict
+from chaos.run.metrics import EngineActivity
+from chaos.run.sizing import CACHE_CONFIG_SERIES, TargetSize
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
 
-# The words each status of ``chaos.verdict.STATUSES`` is shown as, everywhere (terminal, verdict.md, report.html).
+# The words each status of ``chaos.judgement.verdict.STATUSES`` is shown as, everywhere (terminal, verdict.md,
+# report.html).
 STATUS_WORDS = {
     "held": "HELD",
     "not_run": "NOT RUN",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from chaos.metrics import KVOccupancy, MetricsSample, scrape
+from chaos.run.metrics import KVOccupancy, MetricsSample, scrape
 from loadgen.results import PromSeries
 
 SOURCE = "scraped from /metrics"

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
-from chaos.metrics import KVOccupancy, scrape
-from chaos.state import current
+from chaos.run.metrics import KVOccupancy, scrape
+from chaos.run.state import current
 
 _active: LiveLine | None = None
 LOAD_FIGURES = ("total", "num_sent", "num_finished", "num_failed", "num_tokens")

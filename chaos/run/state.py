@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from chaos.disconnects import StormReport
-from chaos.engine_admin import LeaseKeeper
-from chaos.metrics import KVOccupancy, MetricsSample
-from chaos.processes import ManagedServer
-from chaos.proxy import FaultProxy
+from chaos.injectors.disconnects import StormReport
+from chaos.injectors.engine_admin import LeaseKeeper
+from chaos.injectors.processes import ManagedServer
+from chaos.injectors.proxy import FaultProxy
+from chaos.run.metrics import KVOccupancy, MetricsSample
 from loadgen.counters import RunCounters
 from loadgen.results import FaultWindow, RunResult
 
-if TYPE_CHECKING:  # chaos.sizing runs loads, which record themselves here
-    from chaos.sizing import TargetSize
+if TYPE_CHECKING:  # chaos.run.sizing runs loads, which record themselves here
+    from chaos.run.sizing import TargetSize
 
-# The SLO spec a run is judged by (chaos.slo_check): a profile of dashboards.slo and a file of overrides.
+# The SLO spec a run is judged by (chaos.judgement.slo_check): a profile of dashboards.slo and a file of overrides.
 SLO_PROFILE_ENV = "KVSTORM_SLO_PROFILE"
 SLO_FILE_ENV = "KVSTORM_SLO_FILE"
 
@@ -40,7 +40,7 @@ class LoadRun:
     result: RunResult | None = None
     metrics_before: MetricsSample | None = None
     metrics_after: MetricsSample | None = None
-    # /metrics every second while it ran (chaos.monitor).
+    # /metrics every second while it ran (chaos.run.monitor).
     samples: list[MetricsSample] = field(default_factory=list)
     error: str | None = None
 
@@ -60,12 +60,12 @@ class RunState:
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
     storms: list[StormReport] = field(default_factory=list)
     managed_server: ManagedServer | None = None
-    # Why the server cannot take this experiment (chaos.applicability), when the kvstorm control stopped it.
+    # Why the server cannot take this experiment (chaos.judgement.applicability), when the kvstorm control stopped it.
     not_applicable: str | None = None
     # Per server with engine faults set: the thread that renews their lease.
     lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
     restarts: list[float] = field(default_factory=list)
-    # The server's capacity and KV size, once the method's measure_target has measured them (chaos.sizing).
+    # The server's capacity and KV size, once the method's measure_target has measured them (chaos.run.sizing).
     target_size: TargetSize | None = None
     slo_profile: str = field(default_factory=lambda: os.environ.get(SLO_PROFILE_ENV, "cpu"))
     slo_file: Path | None = field(
@@ -73,7 +73,7 @@ class RunState:
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Set when the experiment is interrupted (a SIGTERM from the controller's stop, Ctrl-C): loads still running end
-    # early (chaos.load) instead of holding the process until the rest of their schedule has been sent.
+    # early (chaos.run.load) instead of holding the process until the rest of their schedule has been sent.
     stopping: threading.Event = field(default_factory=threading.Event)
     # Who hears the run's events as they happen (``emit``): phases, activities, faults on and off, load figures,
     # each request's end (``kvstorm chaos run --events``, which the chaos controller reads).

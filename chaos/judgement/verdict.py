@@ -15,11 +15,11 @@ from typing import Any
 from chaoslib.activity import run_activity
 from chaoslib.hypothesis import within_tolerance
 
-from chaos.disconnects import NOT_EXPORTED
-from chaos.metrics import EngineActivity, time_to_recover
-from chaos.sizing import TargetSize
-from chaos.slo_check import SloResult, evaluate_all, run_spec
-from chaos.state import RunState
+from chaos.injectors.disconnects import NOT_EXPORTED
+from chaos.judgement.slo_check import SloResult, evaluate_all, run_spec
+from chaos.run.metrics import EngineActivity, time_to_recover
+from chaos.run.sizing import TargetSize
+from chaos.run.state import RunState
 from loadgen.analysis import Summary
 from loadgen.results import FaultWindow
 
@@ -65,10 +65,10 @@ class Verdict:
     fault_windows: list[FaultWindow] = field(default_factory=list)
     restarts_s: list[float] = field(default_factory=list)
     storms: list[dict[str, Any]] = field(default_factory=list)
-    # The dashboards' SLO spec over the main load (chaos.slo_check), and its profile.
+    # The dashboards' SLO spec over the main load (chaos.judgement.slo_check), and its profile.
     slos: list[SloResult] = field(default_factory=list)
     slo_profile: str = ""
-    # The main load's arrival as sent (after sizing), and what the server measured as before it (chaos.sizing).
+    # The main load's arrival as sent (after sizing), and what the server measured as before it (chaos.run.sizing).
     arrival: str | None = None
     target_size: TargetSize | None = None
 

@@ -17,8 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from chaos.load import load_config
-from chaos.metrics import MetricsSample, scrape
+from chaos.run.load import load_config
+from chaos.run.metrics import MetricsSample, scrape
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.workloads import mean_length

@@ -26,10 +26,9 @@ from typing import Any
 from rich.console import Console, Group
 from rich.markup import escape
 
-from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.processes import kvstorm_server
-from chaos.runner import REPORT_BUCKET_S, ExperimentRun, run_experiment_file
-from chaos.verdict_view import (
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
+from chaos.injectors.processes import kvstorm_server
+from chaos.judgement.verdict_view import (
     STATUS_WORDS,
     Section,
     describe_preemptions,
@@ -42,6 +41,7 @@ from chaos.verdict_view import (
     sections_markdown,
     shown_if_exported,
 )
+from chaos.run.runner import REPORT_BUCKET_S, ExperimentRun, run_experiment_file
 from loadgen.analysis import LatencyStats, Slo, summarize
 from loadgen.records import Outcome
 from loadgen.report import write_stacked_report
