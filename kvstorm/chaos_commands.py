@@ -16,12 +16,12 @@ import uvicorn
 import yaml
 from rich.console import Console
 
-from chaos.compare import Target, compare, parse_server, parse_target
 from chaos.controller.app import ControllerConfig, create_app
-from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
-from chaos.state import SLO_PROFILE_ENV
-from chaos.verdict_view import STATUS_WORDS
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
+from chaos.judgement.compare import Target, compare, parse_server, parse_target
+from chaos.judgement.verdict_view import STATUS_WORDS
+from chaos.run.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
+from chaos.run.state import SLO_PROFILE_ENV
 from dashboards.slo import PROFILES
 from kvstorm.exposure import committed_token_refusal
 

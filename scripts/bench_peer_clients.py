@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 from engine.model.registry import resolve_model
 from kvstorm.bench.doc import update_section
 from loadgen.scripted_server import ServerScript, scripted_server_process

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from chaos.processes import free_port
+from chaos.injectors.processes import free_port
 from engine.model.registry import resolve_model
 from kvstorm.bench.doc import update_section
 from loadgen.records import Outcome

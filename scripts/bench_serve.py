@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 from kvstorm.bench.doc import update_section
 from kvstorm.bench.process import run_child
 from kvstorm.bench.w1 import count_flops, w1_throughput

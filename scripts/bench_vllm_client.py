@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos.metrics import scrape
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
+from chaos.run.metrics import scrape
 from kvstorm.bench.doc import update_section
 
 MODEL = "smollm2-135m"

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from chaos import processes
-from chaos.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
+from chaos.injectors import processes
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import ModelSource, resolve_model
 from engine.model.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ import pytest
 import requests
 import yaml
 
-from chaos.processes import ManagedServer, free_port
+from chaos.injectors.processes import ManagedServer, free_port
 from dashboards.build import COMPOSE_CONTROLLER_TARGETS, COMPOSE_ENGINE_TARGETS, COMPOSE_PROMETHEUS_URL, GENERATED_DIR
 from kvstorm.cli import build_parser
 from kvstorm.exposure import COMMITTED_DEFAULTS, PUBLISHED_ON_ENV, committed_token_refusal, is_loopback

@@ -24,7 +24,7 @@ import aiohttp
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 from kvstorm.bench.doc import BenchReport
 from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark

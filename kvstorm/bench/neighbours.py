@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 from engine.serving.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 from engine.serving.server import MAX_UNKNOWN_FIELD_CHARS, MAX_UNKNOWN_FIELDS, ServerConfig
 from kvstorm.bench.doc import BenchReport

@@ -1,5 +1,6 @@
 """``kvstorm bench preemption-modes``: one chaos experiment against kvstorm in recompute, swap and auto mode, on
-identical load, in one table: a ``kvstorm chaos compare`` of one started kvstorm per mode (``chaos.compare``)."""
+identical load, in one table: a ``kvstorm chaos compare`` of one started kvstorm per mode
+(``chaos.judgement.compare``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import argparse
 import shlex
 from pathlib import Path
 
-from chaos.compare import Target, compare, comparison_markdown
-from chaos.runner import resolve_experiment
+from chaos.judgement.compare import Target, compare, comparison_markdown
+from chaos.run.runner import resolve_experiment
 from kvstorm.bench.doc import BenchReport
 
 MODES = ("recompute", "swap", "auto")

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from chaos import compare as compare_module
-from chaos import processes as processes_module
-from chaos.compare import Comparison, Target, TargetRun, compare, parse_server, parse_target, side_by_side
-from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.metrics import EngineActivity, MetricsSample
-from chaos.runner import ExperimentRun
-from chaos.sizing import TargetSize
-from chaos.verdict import Check, Verdict
-from chaos.verdict_view import describe_preemptions, describe_swapped, sections_markdown
+from chaos.injectors import processes as processes_module
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
+from chaos.judgement import compare as compare_module
+from chaos.judgement.compare import Comparison, Target, TargetRun, compare, parse_server, parse_target, side_by_side
+from chaos.judgement.verdict import Check, Verdict
+from chaos.judgement.verdict_view import describe_preemptions, describe_swapped, sections_markdown
+from chaos.run.metrics import EngineActivity, MetricsSample
+from chaos.run.runner import ExperimentRun
+from chaos.run.sizing import TargetSize
 from engine.serving.metrics import EngineMetrics
 from kvstorm import chaos_commands
 from kvstorm.cli import build_parser
@@ -272,7 +272,7 @@ def test_each_target_runs_in_turn_and_a_started_server_is_stopped(tmp_path, monk
         return held
 
     monkeypatch.setenv(ADMIN_TOKEN_ENV, "kept")
-    monkeypatch.setattr(processes_module, "ManagedServer", FakeServer)  # under chaos.processes.kvstorm_server
+    monkeypatch.setattr(processes_module, "ManagedServer", FakeServer)  # under chaos.injectors.processes.kvstorm_server
     monkeypatch.setattr(compare_module, "run_experiment_file", fake_run)
     targets = [Target("theirs", url="http://127.0.0.1:1"), Target("mine", server_args=("--preemption-mode", "swap"))]
     comparison = compare(EXPERIMENT, targets, {"seed": 7}, tmp_path)

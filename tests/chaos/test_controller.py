@@ -16,8 +16,8 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from chaos.engine_admin import ADMIN_TOKEN_ENV
-from chaos.processes import ManagedServer, free_port
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
+from chaos.injectors.processes import ManagedServer, free_port
 from tests.chaos.test_experiments import SHORT
 
 TOKEN = "controller-test-token"

@@ -18,10 +18,10 @@ from rich.console import Console
 
 from chaos.controller.parameters import OPERATOR_PARAMETERS, RESERVED_PARAMETERS, SCHEMAS, check_overrides
 from chaos.controller.runs import load_library
-from chaos.processes import ManagedServer, free_port
-from chaos.runner import EXPERIMENTS_DIR, _write_results
-from chaos.state import reset
-from chaos.verdict import Verdict
+from chaos.injectors.processes import ManagedServer, free_port
+from chaos.judgement.verdict import Verdict
+from chaos.run.runner import EXPERIMENTS_DIR, _write_results
+from chaos.run.state import reset
 from loadgen.results import replacing, write_text_atomic
 from tests.chaos.test_experiments import SHORT
 

@@ -18,9 +18,9 @@ import pytest
 import requests
 import yaml
 
-from chaos.metrics import EngineActivity, scrape
-from chaos.runner import EXPERIMENTS_DIR
-from chaos.state import SLO_FILE_ENV
+from chaos.run.metrics import EngineActivity, scrape
+from chaos.run.runner import EXPERIMENTS_DIR
+from chaos.run.state import SLO_FILE_ENV
 from tests.loadgen.conftest import scripted_server
 
 EXPERIMENT = EXPERIMENTS_DIR / "burst-with-vram-cap.yaml"

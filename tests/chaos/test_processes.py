@@ -1,11 +1,11 @@
-"""The one way chaos, benchmarks, scripts and tests start a kvstorm (``chaos.processes.kvstorm_server``)."""
+"""The one way chaos, benchmarks, scripts and tests start a kvstorm (``chaos.injectors.processes.kvstorm_server``)."""
 
 from __future__ import annotations
 
 import pytest
 import requests
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 
 
 def test_a_started_kvstorm_serves_on_loopback_and_is_stopped_after_the_block():

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from chaos.proxy import DirectionFaults, FaultProxy
+from chaos.injectors.proxy import DirectionFaults, FaultProxy
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig, RunResult

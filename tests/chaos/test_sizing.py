@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from chaos import actions
-from chaos.metrics import MetricsSample, scrape
-from chaos.runner import EXPERIMENTS_DIR
-from chaos.sizing import TargetSize, kv_tokens_of, requests_for_kv
-from chaos.state import reset
+from chaos.run.metrics import MetricsSample, scrape
+from chaos.run.runner import EXPERIMENTS_DIR
+from chaos.run.sizing import TargetSize, kv_tokens_of, requests_for_kv
+from chaos.run.state import reset
 from loadgen.arrivals import scale_rates
 from tests.chaos.test_experiments import kvstorm_chaos_run
 

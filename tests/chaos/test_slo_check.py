@@ -1,11 +1,11 @@
-"""The dashboards' SLO spec judged from scrapes of /metrics (chaos.slo_check): the counts across a server restart,
-a gauge guardrail that must stay crossed as long as its alert waits, and a server that lacks a metric."""
+"""The dashboards' SLO spec judged from scrapes of /metrics (chaos.judgement.slo_check): the counts across a server
+restart, a gauge guardrail that must stay crossed as long as its alert waits, and a server that lacks a metric."""
 
 from __future__ import annotations
 
-from chaos.metrics import MetricsSample
-from chaos.slo_check import evaluate
-from chaos.state import LoadRun
+from chaos.judgement.slo_check import evaluate
+from chaos.run.metrics import MetricsSample
+from chaos.run.state import LoadRun
 from dashboards.slo import GUARDRAIL_FOR_S, load_spec
 
 SLOS = {slo.name: slo for slo in load_spec("cpu")}  # ttft within 5 s at 99%

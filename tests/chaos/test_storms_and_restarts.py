@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from chaos.disconnects import StormReport, _aborts_counted, disconnect_storm
-from chaos.metrics import KVOccupancy, MetricsSample, scrape
+from chaos.injectors.disconnects import StormReport, _aborts_counted, disconnect_storm
+from chaos.injectors.processes import ManagedServer, free_port
 from chaos.probes import preemptions, swapped_out_blocks
-from chaos.processes import ManagedServer, free_port
-from chaos.state import LoadRun, reset
+from chaos.run.metrics import KVOccupancy, MetricsSample, scrape
+from chaos.run.state import LoadRun, reset
 
 MODEL = "smollm2-135m"
 

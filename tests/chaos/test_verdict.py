@@ -14,11 +14,11 @@ import pytest
 from chaoslib.experiment import run_experiment
 
 from chaos.controls import fail_a_baseline_miss
-from chaos.disconnects import StormReport
-from chaos.metrics import KVOccupancy
-from chaos.state import reset
-from chaos.verdict import STATUSES, Verdict, build_verdict
-from chaos.verdict_view import STATUS_WORDS, headline, to_html, to_markdown
+from chaos.injectors.disconnects import StormReport
+from chaos.judgement.verdict import STATUSES, Verdict, build_verdict
+from chaos.judgement.verdict_view import STATUS_WORDS, headline, to_html, to_markdown
+from chaos.run.metrics import KVOccupancy
+from chaos.run.state import reset
 
 MODULE = __name__
 SETTINGS = {"runtime": {"rollbacks": {"strategy": "always"}}}

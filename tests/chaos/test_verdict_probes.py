@@ -1,6 +1,6 @@
 """Each kind of steady-state check the library uses (a bool, a count, a latency range, an SLO met, an SLO's burn
 rate), with the real probes against the real engine: the library's tolerances hold, and each one tightened past the
-value the probe measured flips the verdict to NOT RUN, naming that check (``chaos.runner``, as ``kvstorm chaos run``
+value the probe measured flips the verdict to NOT RUN, naming that check (``chaos.run.runner``, as ``kvstorm chaos run``
 runs it, without the CLI).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from rich.console import Console
 
-from chaos.runner import run_experiment_file
+from chaos.run.runner import run_experiment_file
 
 
 def probe(name: str, func: str, tolerance: Any, **arguments: Any) -> dict[str, Any]:

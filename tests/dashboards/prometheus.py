@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from chaos.processes import ManagedServer
+from chaos.injectors.processes import ManagedServer
 
 
 @contextmanager

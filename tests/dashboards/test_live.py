@@ -23,8 +23,8 @@ import pytest
 import requests
 
 from chaos.controller.metrics import ControllerMetrics
-from chaos.metrics import MetricsSample
-from chaos.processes import free_port
+from chaos.injectors.processes import free_port
+from chaos.run.metrics import MetricsSample
 from dashboards.build import boards, build_all
 from dashboards.panels import concrete, source_series
 from dashboards.rules import recordings, rule_groups
@@ -165,8 +165,8 @@ def test_the_chaos_verdict_and_prometheus_count_the_same_events_for_every_slo(li
     prometheus_url, run_dir = live
     load = json.loads((run_dir / "load.json").read_text())
     verdict = (run_dir / "verdict.md").read_text()
-    # The verdict judges the run's load by the spec from /metrics (chaos.slo_check): its TTFT SLO counted every
-    # request that got a first token, and no fewer good ones than the client (whose TTFT adds the network).
+    # The verdict judges the run's load by the spec from /metrics (chaos.judgement.slo_check): its TTFT SLO counted
+    # every request that got a first token, and no fewer good ones than the client (whose TTFT adds the network).
     threshold = {slo.name: slo for slo in load_spec()}["ttft"].threshold
     good, total = map(int, re.search(r"\| Time to first token \|[^|]*\| [0-9.]+% \((\d+) of (\d+)\)", verdict).groups())
     ttfts = [r["ttft_s"] for r in load["records"] if r["ttft_s"] is not None]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import requests
 
-from chaos.metrics import MetricsSample
-from chaos.processes import free_port
+from chaos.injectors.processes import free_port
+from chaos.run.metrics import MetricsSample
 from dashboards.build import boards, build_all
 from dashboards.panels import concrete, source_series
 from dashboards.render import NOT_EXPORTED

@@ -10,7 +10,7 @@ import threading
 
 import requests
 
-from chaos.processes import kvstorm_server
+from chaos.injectors.processes import kvstorm_server
 from tests.engine.serving.conftest import metric_value, wait_until
 
 MODEL = "tiny"

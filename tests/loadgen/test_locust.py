@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from chaos.processes import free_port
+from chaos.injectors.processes import free_port
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
 
 LOCUSTFILE = str(REPO_ROOT / "loadgen" / "locustfile.py")
