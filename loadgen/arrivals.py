@@ -61,7 +61,7 @@ _RATE_KEYS = {"constant": ("rate",), "poisson": ("rate",), "gamma": ("rate",), "
 
 def scale_rates(text: str, factor: float) -> str:
     """The arrival spec ``text`` with every rate multiplied by ``factor`` (a load written in multiples of a
-    server's measured capacity, ``chaos.sizing``); durations and shapes stay as written."""
+    server's measured capacity, ``chaos.run.sizing``); durations and shapes stay as written."""
     spec = parse_spec(text, ARRIVAL_KINDS)
     if spec.kind == "trace":
         raise ValueError(f"{text!r}: a trace's rates are its own (use its speedup), they cannot be scaled")

@@ -166,7 +166,7 @@ class EngineMetrics:
         )
 
     def _add_request_series(self) -> None:
-        # vLLM's name and labels: a harness reads one server's KV size the same way as the other's (chaos.sizing).
+        # vLLM's name and labels: a harness reads one server's KV size the same way as the other's (chaos.run.sizing).
         self.cache_config_info = Gauge(
             "vllm:cache_config_info",
             "KV cache configuration (the labels; the value is 1)",
