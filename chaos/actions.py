@@ -31,6 +31,10 @@ from chaos.run.sizing import measure_target as measure
 from chaos.run.state import current
 from loadgen.arrivals import scale_rates
 
+# The most a load written in multiples of the measured capacity may ask for: a burst past what the server sustains,
+# not a flood of the harness's own host.
+MAX_CAPACITY_MULTIPLE = 20.0
+
 
 def measure_target(
     target_url: str,
@@ -80,7 +84,8 @@ def run_load(
         capacity_rps = _measured().capacity_rps
         if capacity_rps is None:
             raise RuntimeError("rate_unit capacity: measure_target read only the KV size (num_requests 0)")
-        arrival = scale_rates(arrival, capacity_rps)
+        # The bound on a caller's rates (the controller's, in req/s) would allow 200 times the capacity here.
+        arrival = scale_rates(arrival, capacity_rps, max_rate=MAX_CAPACITY_MULTIPLE)
     if kv_multiple is not None:
         num_requests = requests_for_kv(_measured(), kv_multiple, input_len, output_len)
     config = loads.load_config(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,20 +60,22 @@ def make_arrivals(text: str, *, num_requests: int | None, duration_s: float | No
 _RATE_KEYS = {"constant": ("rate",), "poisson": ("rate",), "gamma": ("rate",), "onoff": ("base", "burst")}
 
 
-def scale_rates(text: str, factor: float) -> str:
+def scale_rates(text: str, factor: float, max_rate: float = math.inf) -> str:
     """The arrival spec ``text`` with every rate multiplied by ``factor`` (a load written in multiples of a
-    server's measured capacity, ``chaos.run.sizing``); durations and shapes stay as written."""
+    server's measured capacity, ``chaos.run.sizing``); durations and shapes stay as written. ``ValueError`` if a rate
+    of ``text`` (before scaling) exceeds ``max_rate``."""
     spec = parse_spec(text, ARRIVAL_KINDS)
     if spec.kind == "trace":
         raise ValueError(f"{text!r}: a trace's rates are its own (use its speedup), they cannot be scaled")
     if not factor > 0:
         raise ValueError(f"cannot scale the rates of {text!r} by {factor}: the factor must be > 0")
     params = dict(spec.params)
-    if spec.kind == "steps":
-        params["rates"] = "/".join(f"{float(rate) * factor:.4g}" for rate in spec.get_str("rates").split("/"))
-    else:
-        for key in _RATE_KEYS[spec.kind]:
-            params[key] = f"{spec.get_float(key) * factor:.4g}"
+    keys = ("rates",) if spec.kind == "steps" else _RATE_KEYS[spec.kind]
+    for key in keys:
+        rates = [float(rate) for rate in spec.get_str(key).split("/")]
+        if max(rates) > max_rate:
+            raise ValueError(f"{text!r}: {key} {max(rates):g} exceeds {max_rate:g}")
+        params[key] = "/".join(f"{rate * factor:.4g}" for rate in rates)
     return f"{spec.kind}:" + ",".join(f"{key}={value}" for key, value in params.items())
 
 

@@ -64,6 +64,9 @@ def test_a_load_in_multiples_of_capacity_runs_at_the_rate_measured_first(kvstorm
     load = actions.run_load(kvstorm_server.url, MODEL, "poisson:rate=0.5", num_requests=3, rate_unit="capacity", **TINY)
     assert load["arrival"] == scale_rates("poisson:rate=0.5", size["capacity_rps"])
     assert load["outcomes"]["ok"] == 3
+    # The controller bounds a caller's rates in req/s (200); as multiples of the capacity they have their own bound.
+    with pytest.raises(ValueError, match="exceeds 20"):
+        actions.run_load(kvstorm_server.url, MODEL, "constant:rate=200", num_requests=1, rate_unit="capacity", **TINY)
 
 
 def test_the_kv_burst_is_sized_from_the_servers_kv_cache_and_presses_it(kvstorm_server, tmp_path):

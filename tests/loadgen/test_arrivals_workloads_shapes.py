@@ -96,11 +96,17 @@ def test_scaling_an_arrival_multiplies_its_rates_and_keeps_its_durations(text, f
 
 
 @pytest.mark.parametrize(
-    ("text", "factor", "message"), [("trace:path=t.jsonl", 2, "cannot be scaled"), ("poisson:rate=1", 0, "must be > 0")]
+    ("text", "factor", "message"),
+    [
+        ("trace:path=t.jsonl", 2, "cannot be scaled"),
+        ("poisson:rate=1", 0, "must be > 0"),
+        ("steps:rates=1/30/2,step_s=5", 1, "rates 30 exceeds 20"),
+        ("onoff:base=1,burst=25,period_s=10,burst_s=2", 1, "burst 25 exceeds 20"),
+    ],
 )
 def test_an_arrival_that_cannot_be_scaled_says_why(text, factor, message):
     with pytest.raises(ValueError, match=message):
-        scale_rates(text, factor)
+        scale_rates(text, factor, max_rate=20)
 
 
 def test_the_mean_of_each_length_distribution_matches_its_samples():
