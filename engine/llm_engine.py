@@ -31,6 +31,7 @@ from engine.core.outputs import (
     RequestSnapshot,
     SchedulerOutput,
     SchedulerStats,
+    StepResult,
     StepStats,
     TokenLogprobs,
 )
@@ -261,9 +262,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration. A failure of the forward pass (out of memory, say) fails no request by itself: the step
-        changed nothing, and the next steps are smaller until they succeed (``engine.core.step_back_off``)."""
+    def step(self) -> StepResult:
+        """One iteration: its outputs and the engine after it. A failure of the forward pass (out of memory, say)
+        fails no request by itself: the step changed nothing, and the next steps are smaller until they succeed
+        (``engine.core.step_back_off``)."""
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         swap_s = self.runner.move_blocks(scheduler_output)
@@ -279,11 +281,11 @@ class LLMEngine:
             )
             outputs = self._give_up_after_failure(scheduler_output, error)
             self._record(scheduler_output, time.perf_counter() - start, swap_s, type(error).__name__)
-            return outputs
+            return StepResult(outputs, self.snapshot())
         advanced = self.scheduler.update_from_output(scheduler_output, result.sampled)
         outputs = [self._advance(request, result.logprobs.get(request.request_id)) for request in advanced]
         self._record(scheduler_output, time.perf_counter() - start, swap_s)
-        return outputs
+        return StepResult(outputs, self.snapshot())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -500,7 +502,7 @@ class LLM:
         ]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
+            for output in self.engine.step().outputs:
                 if output.finished:
                     final[output.request_id] = output
         has_text = self.engine.tokenizer is not None

@@ -165,7 +165,7 @@ def run_generate(args: argparse.Namespace) -> int:
     request = engine.add_request(prompt, params)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             sys.stdout.write(output.new_text)
             sys.stdout.flush()
     generate_s = time.perf_counter() - start
@@ -176,7 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{engine.load_timings['tokenizer_s']:.2f} s, engine ready in {load_s:.2f} s, "
         f"{request.num_prompt_tokens} prompt + {request.num_output_tokens} generated tokens in {generate_s:.2f} s "
         f"({request.num_output_tokens / generate_s:.1f} tokens/s), "
-        f"finish reason {request.status.value}]",
+        f"finish reason {request.finish_reason}]",
         file=sys.stderr,
     )
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.core.outputs import EngineInfo, EngineSnapshot, PreparedRequest, RequestOutput
+from engine.core.outputs import EngineInfo, EngineSnapshot, PreparedRequest, RequestOutput, StepResult
 from engine.core.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -57,8 +57,9 @@ class EngineClient(Protocol):
         """End it now (its blocks are free on return); its final output, or None if it is unknown or done."""
         ...
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: every output of it, each complete (a finished one carries its finish reason)."""
+    def step(self) -> StepResult:
+        """One iteration: every output of it, each complete (a finished one carries its finish reason), and the
+        snapshot after it."""
         ...
 
     def has_unfinished_requests(self) -> bool: ...

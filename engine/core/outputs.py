@@ -245,6 +245,14 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """What one ``step()`` produced and the engine after it: every output (each complete), and the snapshot."""
+
+    outputs: list[RequestOutput]
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What does not change while the engine runs."""
 

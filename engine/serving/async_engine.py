@@ -42,6 +42,7 @@ from engine.core.outputs import (
     RemainingWork,
     RequestOutput,
     RequestTimings,
+    StepResult,
 )
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
@@ -339,9 +340,9 @@ class AsyncEngine:
             started = time.monotonic()
             with self._engine_lock:
                 self._apply(commands, deliveries)
-                stepped = self.engine.has_unfinished_requests() and self._step(deliveries)
-                snapshot = self.engine.snapshot()
-                if stepped and snapshot.last_step is not None:
+                result = self._step(deliveries) if self.engine.has_unfinished_requests() else None
+                snapshot = result.snapshot if result is not None else self.engine.snapshot()
+                if result is not None and snapshot.last_step is not None:
                     self.metrics.observe_step(snapshot.last_step, self.engine.info.bytes_per_block)
                     self.admission.observe_iteration(snapshot.last_step, time.monotonic() - started)
                 self._publish(snapshot)
@@ -375,21 +376,21 @@ class AsyncEngine:
         self.metrics.observe_finished(final.timings, final.finish_reason)
         deliveries.append((stream, final))
 
-    def _step(self, deliveries) -> bool:
-        """One engine step and its deliveries; False if the step raised (every request in flight then ends)."""
+    def _step(self, deliveries) -> StepResult | None:
+        """One engine step and its deliveries; None if the step raised (every request in flight then ends)."""
         try:
-            outputs = self.engine.step()
+            result = self.engine.step()
         except Exception as error:  # any failure of a step ends the requests in flight, not the loop
             logger.exception("engine step failed; ending every request in flight")
             self._fail_all(f"engine step failed: {type(error).__name__}: {error}", deliveries)
-            return False
+            return None
         now = time.monotonic()
         with self._cond:  # once per step, not per output
-            streams = [self._streams.get(output.request_id) for output in outputs]
-        for output, stream in zip(outputs, streams, strict=True):
+            streams = [self._streams.get(output.request_id) for output in result.outputs]
+        for output, stream in zip(result.outputs, streams, strict=True):
             if stream is not None:
                 self._deliver_output(stream, output, now, deliveries)
-        return True
+        return result
 
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
         if output.new_token_ids:
@@ -438,9 +439,7 @@ class AsyncEngine:
         with self._cond:
             self.snapshot, self.snapshot_ts = snapshot, time.monotonic()
             self._adds_since_snapshot = []
-        self.metrics.observe_queues(snapshot.stats)
-        for fault, active in snapshot.active_faults.items():
-            self.metrics.set_fault(fault, active)
+        self.metrics.observe_snapshot(snapshot)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]]) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from engine.core.config import PreemptionMode
-from engine.core.outputs import FinishReason, RequestTimings, SchedulerStats, StepStats
+from engine.core.outputs import EngineSnapshot, FinishReason, RequestTimings, SchedulerStats, StepStats
 
 # The latency thresholds the default SLOs use (seconds). Each must be a bucket boundary: a
 # quantile or "fraction under X" can only be read from a histogram at an existing `le`.
@@ -218,7 +218,13 @@ class EngineMetrics:
     def observe_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def observe_queues(self, stats: SchedulerStats) -> None:
+    def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """The engine between two steps: its queues, pools, batch limit and faults."""
+        self._observe_queues(snapshot.stats)
+        for fault, active in snapshot.active_faults.items():
+            self.set_fault(fault, active)
+
+    def _observe_queues(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)

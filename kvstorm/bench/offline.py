@@ -78,7 +78,7 @@ def run_kvstorm(workload: Workload, options: dict) -> dict:
     peak_running = peak_used_blocks = 0
     produced = 0
     while engine.has_unfinished_requests():
-        produced += sum(len(o.new_token_ids) for o in engine.step())
+        produced += sum(len(o.new_token_ids) for o in engine.step().outputs)
         stats = engine.stats()
         peak_running = max(peak_running, stats.num_running)
         peak_used_blocks = max(peak_used_blocks, stats.num_used_device_blocks)

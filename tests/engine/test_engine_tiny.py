@@ -133,7 +133,7 @@ def test_greedy_tokens_do_not_depend_on_preemption(mode):
 def run_to_completion(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list:
     requests = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             assert output.finish_reason in (None, "length"), output.error
     return [r.output_token_ids for r in requests]
 
@@ -164,7 +164,7 @@ def test_a_request_that_fails_alone_in_the_smallest_step_ends_with_an_error_and_
     doomed = [engine.add_request(list(range(1, 9 + i)), greedy(5)) for i in range(3)]
     finished = {}
     for _ in range(100):
-        for output in engine.step():
+        for output in engine.step().outputs:
             finished[output.request_id] = output
         if not engine.has_unfinished_requests():
             break

@@ -57,7 +57,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_sampled_position(llm):
     request = engine.add_request("Paged attention is", params)
     logprobs = []
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             logprobs.extend(output.logprobs)
     assert [lp.token_id for lp in logprobs] == request.output_token_ids
 
@@ -76,7 +76,7 @@ def test_logprobs_are_only_returned_when_asked(llm):
     engine = llm.engine
     engine.add_request("Paged attention is", SamplingParams(max_tokens=2, temperature=0))
     while engine.has_unfinished_requests():
-        assert all(output.logprobs is None for output in engine.step())
+        assert all(output.logprobs is None for output in engine.step().outputs)
 
 
 def test_without_batch_invariance_the_packed_matmuls_take_every_row_at_once(real_tokenizer):

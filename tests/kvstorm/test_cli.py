@@ -42,6 +42,7 @@ def test_invariant_rows_and_the_matmul_kernel_are_chosen_by_name_and_others_are_
     result = run_kvstorm("generate", "--prompt", "Once upon a time", "--max-tokens", "4", *chosen)
     assert result.returncode == 0, result.stderr
     assert "4 generated tokens" in result.stderr
+    assert "finish reason length]" in result.stderr
     for option, unknown in (("--invariant-rows", "fastest"), ("--matmul-kernel", "mkl")):
         result = run_kvstorm("generate", "--prompt", "x", option, unknown)
         assert result.returncode == 2

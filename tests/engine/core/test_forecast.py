@@ -54,7 +54,7 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
             snapshot = engine.snapshot()
             in_progress = engine.has_unfinished_requests()
             if in_progress:  # a step on the snapshot runs while the request arrives, as in the server
-                for output in engine.step():
+                for output in engine.step().outputs:
                     first_token_step.setdefault(output.request_id, num_steps + 1)
                 num_steps += 1
             request_id = f"r{index}"
@@ -68,12 +68,12 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
                 under_cap.add(request_id)
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             engine.add_request([1 + i % 500 for i in range(prompt_len)], params, request_id=request_id)
-        for output in engine.step():
+        for output in engine.step().outputs:
             if output.new_token_ids:
                 first_token_step.setdefault(output.request_id, num_steps + 1)
         num_steps += 1
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        for output in engine.step().outputs:
             first_token_step.setdefault(output.request_id, num_steps + 1)
         num_steps += 1
 
@@ -125,7 +125,7 @@ def test_a_cap_below_what_the_block_tables_hold_preempts_in_the_forecast_as_in_t
     engine.add_request([7] * 60, SamplingParams(max_tokens=4, ignore_eos=True), request_id="new")
     num_steps, first_token_step = 1, None
     while first_token_step is None:
-        outputs = engine.step()
+        outputs = engine.step().outputs
         num_steps += 1
         if any(output.request_id == "new" and output.new_token_ids for output in outputs):
             first_token_step = num_steps
