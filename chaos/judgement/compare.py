@@ -189,19 +189,27 @@ def side_by_side(runs: Sequence[TargetRun]) -> Section:
         cells, met = zip(*(_check_cell(run, name) for run in runs), strict=True)
         rows.append((f"{name} ({expectation})", *cells))
         marks.append(False if False in met else True if all(met) else None)
+    arrivals = {_arrival(run) for run in runs}
     for label, value in _FIGURES:
         cells = tuple(value(run) for run in runs)
-        if any(cell != "-" for cell in cells):  # a figure no target has (no sizing, no latency check) says nothing
+        # A figure no target has (no sizing, no latency check) says nothing; one arrival for all goes in the title.
+        if any(cell != "-" for cell in cells) and not (value is _arrival and len(arrivals) == 1):
             rows.append((label, *cells))
             marks.append(None)
     sized = any(run.run.verdict.target_size is not None for run in runs)
-    title = (
-        "Side by side (each target: the same experiment and seed; the load is sized from each server, as the "
-        "arrival row shows)"
-        if sized
-        else "Side by side (each target: the same experiment, the same seeded load)"
-    )
+    if sized:
+        title = (
+            "Side by side (each target: the same experiment and seed; the load is sized from each server, as the "
+            "arrival row shows)"
+        )
+    else:
+        sent = f": {next(iter(arrivals))}" if len(arrivals) == 1 and "-" not in arrivals else ""
+        title = f"Side by side (each target: the same experiment, the same seeded load{sent})"
     return Section(title, ("", *_names(runs)), rows, marks)
+
+
+def _arrival(run: TargetRun) -> str:
+    return run.run.verdict.arrival or "-"
 
 
 def _names(runs: Sequence[TargetRun]) -> list[str]:
@@ -269,7 +277,7 @@ def _number(value: float | None) -> str:
 
 # The rows after the checks: a label and what a run shows in it.
 _FIGURES = (
-    ("arrival (as sent)", lambda run: run.run.verdict.arrival or "-"),
+    ("arrival (as sent)", _arrival),
     (
         "sized from",
         lambda run: "-" if run.run.verdict.target_size is None else describe_size(run.run.verdict.target_size),

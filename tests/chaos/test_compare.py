@@ -235,6 +235,13 @@ def test_a_load_sized_per_target_is_shown_as_such_and_a_figure_no_target_has_is_
     assert rows["sized from"][0] == "-"
     assert rows["sized from"][1].startswith("KV cache 1,408 tokens (vllm:cache_config_info); capacity 1.50 req/s")
     assert rows["arrival (as sent)"][1] == "onoff:base=0.75,burst=3"
+    # One arrival for every target: said once, in the title, not as a row wider than the terminal.
+    same = [
+        replace(run, run=replace(run.run, verdict=replace(run.run.verdict, arrival="poisson:rate=2"))) for run in runs
+    ]
+    shared = side_by_side(same)
+    assert shared.title.endswith("the same seeded load: poisson:rate=2)")
+    assert "arrival (as sent)" not in {row[0] for row in shared.rows}
 
 
 def test_kvstorms_own_figures_read_not_exported_on_vllm_and_zero_only_on_a_server_that_exports_them():
