@@ -86,6 +86,10 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_compare_parser(chaos_subparsers)
     listing = chaos_subparsers.add_parser("list", help="the library of experiments, with what each reproduces")
     listing.set_defaults(handler=list_experiments)
+    _add_controller_parser(chaos_subparsers)
+
+
+def _add_controller_parser(chaos_subparsers: argparse._SubParsersAction) -> None:
     serve = chaos_subparsers.add_parser(
         "serve",
         help="the chaos controller: an HTTP API (FastAPI) that runs experiments and faults against one target",

@@ -211,32 +211,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "and the default keeps one request from slowing another past 1.5x on a small CPU (kvstorm bench neighbours)",
     )
     server.add_argument(
-        "--ttft-slo",
-        type=_objective,
-        default=DEFAULT_TTFT_SLO_S,
-        help="admit a request only if its first token is predicted within this (e.g. 5s, 800ms; 'off' admits all; "
-        f"default {DEFAULT_TTFT_SLO_S:g}s, see README)",
-    )
-    server.add_argument(
-        "--tpot-slo",
-        type=_objective,
-        default=None,
-        help="admit a request only if the time per output token is predicted within this (e.g. 200ms; default off)",
-    )
-    server.add_argument("--max-waiting", type=int, default=None, help="hard limit: 429 when this many requests wait")
-    server.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=None,
-        help="hard limit: 429 when the predicted time before a request's first step exceeds this (s)",
-    )
-    server.add_argument(
-        "--max-buffered-outputs",
-        type=int,
-        default=AdmissionLimits().max_buffered_outputs,
-        help="a stream whose client leaves this many outputs unread is aborted",
-    )
-    server.add_argument(
         "--admin-token",
         default=os.environ.get(ADMIN_TOKEN_ENV),
         help=f"enables /admin/* behind this bearer token (default: ${ADMIN_TOKEN_ENV})",
@@ -253,7 +227,40 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=(),
         help="extra latency bucket boundaries in seconds, comma-separated (e.g. SLO thresholds)",
     )
+    _add_admission_arguments(parser)
     parser.set_defaults(handler=run_serve)
+
+
+def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
+    admission = parser.add_argument_group(
+        "admission (a 429 with Retry-After before a request starts) and back-pressure"
+    )
+    admission.add_argument(
+        "--ttft-slo",
+        type=_objective,
+        default=DEFAULT_TTFT_SLO_S,
+        help="admit a request only if its first token is predicted within this (e.g. 5s, 800ms; 'off' admits all; "
+        f"default {DEFAULT_TTFT_SLO_S:g}s, see README)",
+    )
+    admission.add_argument(
+        "--tpot-slo",
+        type=_objective,
+        default=None,
+        help="admit a request only if the time per output token is predicted within this (e.g. 200ms; default off)",
+    )
+    admission.add_argument("--max-waiting", type=int, default=None, help="hard limit: 429 when this many requests wait")
+    admission.add_argument(
+        "--max-queue-delay",
+        type=float,
+        default=None,
+        help="hard limit: 429 when the predicted time before a request's first step exceeds this (s)",
+    )
+    admission.add_argument(
+        "--max-buffered-outputs",
+        type=int,
+        default=AdmissionLimits().max_buffered_outputs,
+        help="a stream whose client leaves this many outputs unread is aborted",
+    )
 
 
 def _float_list(text: str) -> tuple[float, ...]:
