@@ -37,6 +37,17 @@ BENCHMARKS = {
     "goodput": ("kvstorm.bench.goodput", "add_bench_goodput_parser", "run_bench_goodput"),
     "neighbours": ("kvstorm.bench.neighbours", "add_bench_neighbours_parser", "run_bench_neighbours"),
     "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
+    # Micro-benchmarks of the engine's parts, and of what serving costs it.
+    "attention": ("kvstorm.bench.attention", "add_bench_attention_parser", "run_bench_attention"),
+    "layer-ops": ("kvstorm.bench.layer_ops", "add_bench_layer_ops_parser", "run_bench_layer_ops"),
+    "linear": ("kvstorm.bench.linear", "add_bench_linear_parser", "run_bench_linear"),
+    "compile": ("kvstorm.bench.compile", "add_bench_compile_parser", "run_bench_compile"),
+    "generate": ("kvstorm.bench.generate", "add_bench_generate_parser", "run_bench_generate"),
+    "serving-overhead": (
+        "kvstorm.bench.serving_overhead",
+        "add_bench_serving_overhead_parser",
+        "run_bench_serving_overhead",
+    ),
 }
 
 
@@ -69,15 +80,14 @@ def _bench_handler(run, section: str):
     def handler(args: argparse.Namespace) -> int:
         report = run(args)
         command = " ".join(["kvstorm", *reproducible_args(sys.argv[1:])])
-        markdown = (
-            f"## `kvstorm bench {section}`\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
-        )
+        title = f"`kvstorm bench {section}`" + ("" if report.case is None else f" ({report.case})")
+        markdown = f"## {title}\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
         print(markdown)
         if report.failures:
             print(f"kvstorm bench {section}: failed: {', '.join(report.failures)}", file=sys.stderr)
             return 1
         if not args.no_docs:
-            update_section(f"bench-{section}", markdown)
+            update_section(f"bench-{section}" + ("" if report.case is None else f"-{report.case}"), markdown)
         return 0
 
     return handler

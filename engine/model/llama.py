@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         roundings in one call each, where eager PyTorch makes 8-16 operator calls of them per layer; and where every
         layer's matmuls are packed for the tile matmuls (after ``pack_linear_weights``) and attention is the CPU
         backend's, each decoder layer in one call (``engine.model.decoder_layer_kernel``), which it returns.
-        ``False`` goes back to the pure-torch functions (``scripts/bench_layer_ops.py`` compares the two)."""
+        ``False`` goes back to the pure-torch functions (``kvstorm bench layer-ops`` compares the two)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = rms_norm_cpu if enabled else rms_norm

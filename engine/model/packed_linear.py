@@ -5,7 +5,7 @@ kernels (bfloat16 on a CPU with AMX or AVX512-BF16: ``kernels.cpu_matmul``), for
 EPYC with AVX-512), oneDNN's matmul on a prepacked weight (the op PyTorch's own
 compiler uses for frozen CPU linears) runs this model's shapes at 183-226 GFLOP/s
 from 64 rows up, where ``F.linear`` reaches 110-204, and at 1.25-3.1x its rate at 16 rows
-(`scripts/bench_linear.py`, docs/benchmarks.md "Linear layers"). MKL's own packed-weight
+(`kvstorm bench linear`, docs/benchmarks.md). MKL's own packed-weight
 API did not close the gap, so the packing is not the whole story: oneDNN's kernels are
 simply faster here.
 """

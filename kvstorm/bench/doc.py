@@ -21,6 +21,8 @@ class BenchReport:
     markdown: str
     data: dict = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    # Where one benchmark keeps a section per case (a dtype, an instruction set): this run's case.
+    case: str | None = None
 
 
 def update_section(name: str, markdown: str, path: Path = DEFAULT_PATH) -> None:

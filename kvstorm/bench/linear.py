@@ -1,21 +1,20 @@
-"""GFLOP/s of the model's linear layers at decode and prefill batch sizes. float32: ``F.linear`` (MKL, repacks the
-weight per call) against the engine's ``PackedLinear`` (oneDNN, weight prepacked once). bfloat16 on a CPU with AMX
-or AVX512-BF16: ``PackedLinear`` on oneDNN as the engine ran it before (batch-invariant: rows padded and sliced as
-probed) against kvstorm's tile matmuls (``kernels.cpu_matmul``), which the engine now takes there.
+"""``kvstorm bench linear``: GFLOP/s of the model's linear layers at decode and prefill batch sizes. float32:
+``F.linear`` (MKL, repacks the weight per call) against the engine's ``PackedLinear`` (oneDNN, weight prepacked
+once). bfloat16 on a CPU with AMX or AVX512-BF16: ``PackedLinear`` on oneDNN as the engine ran it before
+(batch-invariant: rows padded and sliced as probed) against kvstorm's tile matmuls (``kernels.cpu_matmul``), which
+the engine now takes there.
 
 Shapes are SmolLM2-135M's: the fused QKV, output, gate+up and down projections and
 the LM head. Each cell is the best of a few timed calls after a warm-up, with
 torch's current thread count; a call's weight is one of enough copies to exceed the CPU's caches, as in a model's
-pass, where each weight comes from memory. Writes the "linear" (float32) or "linear-bfloat16-ISA" section of
-docs/benchmarks.md.
+pass, where each weight comes from memory. float32 and bfloat16 on each instruction set have a section each.
 
-    .venv/bin/python scripts/bench_linear.py [--dtype float32|bfloat16] [--rows 1,16,64,128,2048]
+    kvstorm bench linear [--dtype float32|bfloat16] [--rows 1,16,64,128,2048]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import platform
 import time
@@ -27,7 +26,7 @@ from torch import nn
 from engine.model.packed_linear import TILE_LAYOUT, PackedLinear, set_batch_invariant, tile_matmul_name
 from engine.model.registry import native_bfloat16_cpu_feature, resolve_model
 from kernels.cpu_matmul import tile_matmul_isa
-from kvstorm.bench.doc import update_section
+from kvstorm.bench.doc import BenchReport
 
 
 def layer_shapes() -> dict[str, tuple[int, int]]:
@@ -99,12 +98,16 @@ def bfloat16_rows(in_features: int, out_features: int, rows_list: list[int], rep
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_bench_linear_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("linear", help="GFLOP/s of the model's linear layers, per engine path")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--rows", default="1,16,64,128,2048", help="batch sizes (tokens per matmul)")
     parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
+
+
+def run_bench_linear(args: argparse.Namespace) -> BenchReport:
+    if args.dtype == "bfloat16" and tile_matmul_isa() is None:
+        return BenchReport("", failures=["bfloat16 compares kvstorm's tile matmuls, and this CPU has none"])
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.dtype == "float32":
         title = "Linear layers: MKL `F.linear` against prepacked oneDNN"
@@ -128,25 +131,14 @@ def main() -> None:
     for layer, (in_features, out_features) in layer_shapes().items():
         for line in measure(in_features, out_features, rows_list, args.repeats):
             table.append(f"| {layer} {line.removeprefix('| ')}")
-            print(table[-1], flush=True)
     markdown = "\n".join(
         [
-            f"## {title} (`scripts/bench_linear.py --dtype {args.dtype}`)",
-            "",
-            f"{args.dtype}, SmolLM2-135M's weight shapes, {torch.get_num_threads()} torch threads, "
+            f"{title}: {args.dtype}, SmolLM2-135M's weight shapes, {torch.get_num_threads()} torch threads, "
             f"{platform.machine()} ({native_bfloat16_cpu_feature() or 'no native bfloat16'}), torch "
             f"{torch.__version__}. Best of {args.repeats} calls after a warm-up. {what}",
             "",
             *table,
-            "",
-            f"Reproduce: `.venv/bin/python scripts/bench_linear.py --dtype {args.dtype} --rows {args.rows} "
-            f"--repeats {args.repeats}` "
-            f"({datetime.date.today()})",
         ]
     )
     # bfloat16: a section per instruction set (the tile matmuls run on AMX or AVX512-BF16).
-    update_section("linear" if args.dtype == "float32" else f"linear-bfloat16-{tile_matmul_isa()}", markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return BenchReport(markdown, case="float32" if args.dtype == "float32" else f"bfloat16-{tile_matmul_isa()}")

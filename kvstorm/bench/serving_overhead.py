@@ -1,5 +1,5 @@
-"""Serving speed: w1 through `kvstorm serve` against the offline engine and the matmul roofline, and a single
-stream, in bfloat16 and float32, one run.
+"""``kvstorm bench serving-overhead``: serving speed, w1 through `kvstorm serve` against the offline engine and the
+matmul roofline, and a single stream, in bfloat16 and float32, one run.
 
 Per dtype, each part in its own child process with the same engine options:
 
@@ -17,23 +17,20 @@ Per dtype, each part in its own child process with the same engine options:
   with one request at a time (128 / 128 tokens, sampled at temperature 1 as a client's default) and with Poisson
   arrivals at 1 request/s (128 / 64 tokens, 30 s).
 
-Writes the "serving-overhead" section of docs/benchmarks.md.
-
-    .venv/bin/python scripts/bench_serve.py [--num-requests 128] [--dtypes bfloat16,float32]
+    kvstorm bench serving-overhead [--num-requests 128] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from dataclasses import dataclass
 
 from chaos.injectors.processes import kvstorm_server
-from kvstorm.bench.doc import update_section
-from kvstorm.bench.process import run_child
+from kvstorm.bench.child import run_in_child
+from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.w1 import count_flops, w1_throughput
 from loadgen.analysis import Summary, summarize
 from loadgen.benchmark import run_benchmark
@@ -46,25 +43,38 @@ from loadgen.workloads import PlannedRequest
 
 MODEL = "smollm2-135m"
 ENGINE_ARGS = ["--model", MODEL, "--kv-cache-memory", "4GiB", "--swap-space", "0", "--max-num-seqs", "256"]
-OFFLINE_SCRIPT = """
-import json, sys, time
-import torch
-from engine.core.sampling_params import SamplingParams
-from engine.llm_engine import LLM
-from engine.model.registry import resolve_dtype
-from kvstorm.bench.offline import measure_matmul_gflops, run_kvstorm
-from kvstorm.bench.w1 import w1_throughput
-part, dtype, num_requests = sys.argv[1], sys.argv[2], int(sys.argv[3])
-cpu = torch.device("cpu")
-if part == "w1":
+
+
+@dataclass(frozen=True)
+class OfflineRun:
+    """Output tok/s of one offline run, and the roofline measured around it (w1 only)."""
+
+    tokens_per_s: float
+    roofline_gflops: float | None = None
+
+
+def offline_w1(dtype: str, num_requests: int) -> OfflineRun:
+    """In a child process (``kvstorm.bench.child``): w1 through the offline engine, with the fastest square matmul
+    measured before and after it (the best counts)."""
+    import torch
+
+    from engine.model.registry import resolve_dtype
+    from kvstorm.bench.offline import measure_matmul_gflops, run_kvstorm
+
+    cpu = torch.device("cpu")
     roofline = max(measure_matmul_gflops(cpu, resolve_dtype(dtype, cpu)).values())
-    options = dict(dtype=dtype, kv_cache_memory=4 << 30, swap_space=0, max_num_seqs=256)
+    options = {"dtype": dtype, "kv_cache_memory": 4 << 30, "swap_space": 0, "max_num_seqs": 256}
     result = run_kvstorm(w1_throughput(num_requests), options)
     roofline = max(roofline, *measure_matmul_gflops(cpu, resolve_dtype(dtype, cpu)).values())
-    print("RESULT", json.dumps({"tokens_per_s": result["output_tokens"] / result["elapsed_s"], "roofline": roofline}))
-else:
-    llm = LLM("smollm2-135m", dtype=dtype, kv_cache_memory=256 << 20, swap_space=0)
-    engine = llm.engine
+    return OfflineRun(result["output_tokens"] / result["elapsed_s"], roofline)
+
+
+def offline_single_stream(dtype: str) -> OfflineRun:
+    """In a child process: one request (128-token prompt, 256 tokens, greedy) decoding alone."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLM
+
+    engine = LLM(MODEL, dtype=dtype, kv_cache_memory=256 << 20, swap_space=0).engine
     engine.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))
     engine.step()  # the prefill and the first token
     start = time.perf_counter()
@@ -72,8 +82,7 @@ else:
     while engine.has_unfinished_requests():
         engine.step()
         steps += 1
-    print("RESULT", json.dumps({"tokens_per_s": steps / (time.perf_counter() - start)}))
-"""
+    return OfflineRun(steps / (time.perf_counter() - start))
 
 
 SERVED_RUNS = 3  # each between two offline runs
@@ -111,13 +120,6 @@ class DtypeResult:
     def served_over_offline(self) -> float:
         ratios = self.bracketed_ratios()
         return sum(ratios) / len(ratios)
-
-
-def run_offline(part: str, dtype: str, num_requests: int = 0) -> dict:
-    child = run_child([sys.executable, "-c", OFFLINE_SCRIPT, part, dtype, str(num_requests)])
-    if child.exit_code != 0 or "RESULT " not in child.output:
-        raise RuntimeError(f"offline {part} in {dtype} failed:\n{child.output[-2000:]}")
-    return json.loads(child.output.split("RESULT ", 1)[1])
 
 
 async def run_w1_streams(url: str, num_requests: int) -> Summary:
@@ -177,21 +179,21 @@ def run_served(dtype: str, num_requests: int) -> ServedRun:
 
 def measure(dtype: str, num_requests: int) -> DtypeResult:
     print(f"[bench serve] {dtype}: w1 offline and served in turn; then a single stream", file=sys.stderr, flush=True)
-    offline = [run_offline("w1", dtype, num_requests)]
+    offline = [run_in_child(offline_w1, OfflineRun, dtype=dtype, num_requests=num_requests)]
     served = []
     for _ in range(SERVED_RUNS):
         served.append(run_served(dtype, num_requests))
-        offline.append(run_offline("w1", dtype, num_requests))
-    single = run_offline("single", dtype)
+        offline.append(run_in_child(offline_w1, OfflineRun, dtype=dtype, num_requests=num_requests))
+    single = run_in_child(offline_single_stream, OfflineRun, dtype=dtype)
     with kvstorm_server(served_args(dtype)) as kvstorm:
         one_at_a_time = run_low_load(kvstorm.url, "constant:rate=100", 6, 600, output_len=128)
         one_per_second = run_low_load(kvstorm.url, "poisson:rate=1", None, 30, output_len=64)
     return DtypeResult(
         dtype=dtype,
-        offline=[run["tokens_per_s"] for run in offline],
+        offline=[run.tokens_per_s for run in offline],
         served=served,
-        roofline_gflops=max(run["roofline"] for run in offline),
-        offline_single_stream=single["tokens_per_s"],
+        roofline_gflops=max(run.roofline_gflops for run in offline),
+        offline_single_stream=single.tokens_per_s,
         one_at_a_time=one_at_a_time,
         one_per_second=one_per_second,
     )
@@ -227,15 +229,13 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
         for r in results
     ]
     rooflines = "; ".join(f"{r.dtype} {r.roofline_gflops:.0f} GFLOP/s" for r in results)
-    dtypes = ",".join(r.dtype for r in results)
     return "\n".join(
         [
-            "## Serving speed (`scripts/bench_serve.py`)",
-            "",
-            f"w1-throughput ({num_requests} requests, {workload.num_prompt_tokens} prompt + {output_tokens} output "
-            f"tokens, greedy, exact lengths) through `kvstorm serve` (admission off) as {num_requests} concurrent SSE "
-            "streams sent at once, against the offline engine with the same options (4 GiB KV, up to 256 running) "
-            "in the same run, SmolLM2-135M on this machine's CPU. Share of roofline: the workload's "
+            f"Serving speed: w1-throughput ({num_requests} requests, {workload.num_prompt_tokens} prompt + "
+            f"{output_tokens} output tokens, greedy, exact lengths) through `kvstorm serve` (admission off) as "
+            f"{num_requests} concurrent SSE streams sent at once, against the offline engine with the same options "
+            "(4 GiB KV, up to 256 running) in the same run, SmolLM2-135M on this machine's CPU. Share of roofline: "
+            "the workload's "
             f"{nominal_flop / 1e12:.2f} TFLOP (2 x parameters per token plus attention) over the wall time, against "
             f"the fastest square matmul in that dtype measured in the same run ({rooflines}). Offline and served "
             "runs alternate, as this machine's speed drifts by up to 20% within minutes: each served run is compared "
@@ -256,9 +256,6 @@ def render(results: list[DtypeResult], num_requests: int) -> str:
             "| TTFT p50 / p99 | peak in flight |",
             "|---|---|---|---|---|---|---|",
             *stream_rows,
-            "",
-            f"Reproduce: `.venv/bin/python scripts/bench_serve.py --num-requests {num_requests} --dtypes {dtypes}` "
-            f"({time.strftime('%Y-%m-%d')})",
         ]
     )
 
@@ -267,18 +264,12 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_bench_serving_overhead_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serving-overhead", help="w1 and a single stream through kvstorm serve vs offline")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated")
-    parser.add_argument("--no-docs", action="store_true")
-    args = parser.parse_args()
+
+
+def run_bench_serving_overhead(args: argparse.Namespace) -> BenchReport:
     results = [measure(dtype, args.num_requests) for dtype in args.dtypes.split(",")]
-    markdown = render(results, args.num_requests)
-    print(markdown)
-    if not args.no_docs:
-        update_section("serving-overhead", markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return BenchReport(render(results, args.num_requests))

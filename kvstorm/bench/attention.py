@@ -1,7 +1,7 @@
-"""Attention on the CPU: the compiled backend (``--attention-backend cpu``) against the pure-torch reference
-(``--attention-backend torch``: gather + padded SDPA for decodes, SDPA per prompt for prefill), the same inputs
-through each backend's ``forward`` (cache write included), interleaved run by run in one process so that the
-machine's drift hits both alike. Reports the median over runs.
+"""``kvstorm bench attention``: attention on the CPU, the compiled backend (``--attention-backend cpu``) against the
+pure-torch reference (``--attention-backend torch``: gather + padded SDPA for decodes, SDPA per prompt for prefill),
+the same inputs through each backend's ``forward`` (cache write included), interleaved run by run in one process so
+that the machine's drift hits both alike. Reports the median over runs.
 
 The model's attention shapes (9 query and 3 KV heads of 64, blocks of 16 tokens), 30 layers with a cache each:
 
@@ -10,15 +10,12 @@ The model's attention shapes (9 query and 3 KV heads of 64, blocks of 16 tokens)
   allocates it) do not fit in any CPU cache, as in serving;
 - prefill: 8 prompts of 250 tokens as one step's rows, nothing cached before, through all 30 layers.
 
-Writes the "attention" section of docs/benchmarks.md.
-
-    .venv/bin/python scripts/bench_attention.py [--runs 5] [--dtypes bfloat16,float32]
+    kvstorm bench attention [--runs 5] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import random
 import statistics
@@ -31,7 +28,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.kv_cache import PagedKVCache
 from engine.attention.torch_backend import TorchAttentionBackend
-from kvstorm.bench.doc import update_section
+from kvstorm.bench.doc import BenchReport
 
 LAYERS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 BACKENDS = {"torch reference": TorchAttentionBackend(), "compiled (cpu)": CpuAttentionBackend()}
@@ -85,35 +82,27 @@ def measure(dtype: torch.dtype, runs: int) -> dict[str, dict[str, float]]:
     return {step: {name: statistics.median(ms) for name, ms in by.items()} for step, by in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_bench_attention_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("attention", help="the compiled CPU attention kernel against the torch reference")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    args = parser.parse_args()
+
+
+def run_bench_attention(args: argparse.Namespace) -> BenchReport:
     table = ["| dtype | step (30 layers) | torch reference, ms | compiled, ms | speed-up |", "|---|---|---|---|---|"]
     for name in args.dtypes.split(","):
         for step, by_backend in measure(getattr(torch, name), args.runs).items():
             reference, compiled = by_backend["torch reference"], by_backend["compiled (cpu)"]
             table.append(f"| {name} | {step} | {reference:.1f} | {compiled:.1f} | {reference / compiled:.1f}x |")
-            print(table[-1], flush=True)
     markdown = "\n".join(
         [
-            "## Attention on the CPU: the compiled kernel against the torch reference (`scripts/bench_attention.py`)",
-            "",
-            f"Each backend's `forward` (cache write included) on the same inputs, {LAYERS} layers with a cache each, "
-            f"the model's shapes ({NUM_HEADS} query and {NUM_KV_HEADS} KV heads of {HEAD_DIM}, blocks of "
-            f"{BLOCK_SIZE}), the caches allocated as the engine does (on huge pages); decode blocks scattered over the "
-            f"pool; medians of {args.runs} interleaved runs, "
-            f"{torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}.",
+            "Attention on the CPU, the compiled kernel against the torch reference: each backend's `forward` (cache "
+            f"write included) on the same inputs, {LAYERS} layers with a cache each, the model's shapes ({NUM_HEADS} "
+            f"query and {NUM_KV_HEADS} KV heads of {HEAD_DIM}, blocks of {BLOCK_SIZE}), the caches allocated as the "
+            f"engine does (on huge pages); decode blocks scattered over the pool; medians of {args.runs} interleaved "
+            f"runs, {torch.get_num_threads()} torch threads, {platform.machine()}, torch {torch.__version__}.",
             "",
             *table,
-            "",
-            f"Reproduce: `.venv/bin/python scripts/bench_attention.py --runs {args.runs} --dtypes {args.dtypes}` "
-            f"({datetime.date.today().isoformat()})",
         ]
     )
-    update_section("attention", markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return BenchReport(markdown)

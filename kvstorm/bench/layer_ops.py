@@ -1,20 +1,20 @@
-"""Step time with RMSNorm and rotary embeddings through the compiled CPU kernels against the model's pure-torch
-versions, in one process, the two interleaved run by run so that the machine's drift hits both alike.
+"""``kvstorm bench layer-ops``: step time with RMSNorm and rotary embeddings through the compiled CPU kernels against
+the model's pure-torch versions, in one process, the two interleaved run by run so that the machine's drift hits both
+alike.
 
 First each op alone, per call on a decode's row (the model's shapes: 576 wide, 9 query and 3 key heads of 64; at
 prefill sizes the pure-torch ops' time swings with glibc's allocator, 0.13-2.6 ms for one 512-row rotation in
 float32, so the end-to-end prefill below measures those). Then, per dtype, one offline engine on the bundled
 model; per run and path: the median step of a single decode stream and of four (72 outputs each, greedy, the
 first 8 steps skipped), and the wall time of prefilling 8 prompts of 300 tokens (chunked under the default token
-budget). Reports the median over runs. Writes the "layer-ops" section of docs/benchmarks.md.
+budget). Reports the median over runs.
 
-    .venv/bin/python scripts/bench_layer_ops.py [--runs 5] [--dtypes bfloat16,float32]
+    kvstorm bench layer-ops [--runs 5] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import platform
 import statistics
 import time
@@ -26,7 +26,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLM
 from engine.model.llama import RotaryEmbedding, rms_norm, rotate_heads_
 from kernels.cpu_layer_ops import rms_norm_cpu, rotate_heads_cpu_
-from kvstorm.bench.doc import update_section
+from kvstorm.bench.doc import BenchReport
 
 DECODE_PROMPT = "Tell me a story about a dragon. " * 3
 PREFILL_PROMPTS = [list(range(100 + i, 400 + i)) for i in range(8)]
@@ -78,11 +78,13 @@ def prefill_ms(llm: LLM) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_bench_layer_ops_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("layer-ops", help="RMSNorm and rotary embeddings: CPU kernels against torch")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    args = parser.parse_args()
+
+
+def run_bench_layer_ops(args: argparse.Namespace) -> BenchReport:
     ops = op_table(args.dtypes.split(","))
     table = [
         "| dtype | norms and rotary | decode step, 1 stream, ms | decode step, 4 streams, ms "
@@ -91,8 +93,8 @@ def main() -> None:
     ]
     for dtype in args.dtypes.split(","):
         llm = LLM(dtype=dtype, num_kv_blocks=512)
-        if llm.engine.info.layer_ops != "cpu-kernels":
-            raise SystemExit(f"the CPU kernels do not run here ({dtype}): nothing to compare")
+        if not llm.engine.info.layer_ops.startswith("cpu-kernels"):
+            return BenchReport("", failures=[f"the CPU kernels do not run here ({dtype}): nothing to compare"])
         model = llm.engine.runner.model
         results: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
         prefill_ms(llm)  # warm-up: oneDNN's first calls at each shape
@@ -102,27 +104,18 @@ def main() -> None:
                 results[kernels].append((decode_step_ms(llm, 1), decode_step_ms(llm, 4), prefill_ms(llm)))
         for kernels in (True, False):
             medians = [statistics.median(run[i] for run in results[kernels]) for i in range(3)]
-            label = "cpu-kernels" if kernels else "torch"
+            label = llm.engine.info.layer_ops if kernels else "torch"
             line = f"| {dtype} | {label} | " + " | ".join(f"{m:.1f}" for m in medians) + " |"
             table.append(line)
-            print(line, flush=True)
     markdown = "\n".join(
         [
-            "## RMSNorm and rotary embeddings: compiled CPU kernels against pure torch",
-            "",
-            f"The bundled model, offline engine, {platform.processor() or platform.machine()}; medians over "
-            f"{args.runs} interleaved runs of each path (scripts/bench_layer_ops.py's docstring says what a run is).",
+            "RMSNorm and rotary embeddings, compiled CPU kernels against pure torch: the bundled model, offline "
+            f"engine, {platform.processor() or platform.machine()}; medians over {args.runs} interleaved runs of "
+            "each path (kvstorm/bench/layer_ops.py's docstring says what a run is).",
             "",
             *ops,
             "",
             *table,
-            "",
-            f"Reproduce: `.venv/bin/python scripts/bench_layer_ops.py --runs {args.runs} --dtypes {args.dtypes}` "
-            f"({datetime.date.today().isoformat()})",
         ]
     )
-    update_section("layer-ops", markdown)
-
-
-if __name__ == "__main__":
-    main()
+    return BenchReport(markdown)
