@@ -189,21 +189,23 @@ def side_by_side(runs: Sequence[TargetRun]) -> Section:
         cells, met = zip(*(_check_cell(run, name) for run in runs), strict=True)
         rows.append((f"{name} ({expectation})", *cells))
         marks.append(False if False in met else True if all(met) else None)
+    sized = any(run.run.verdict.target_size is not None for run in runs)
     arrivals = {_arrival(run) for run in runs}
+    # An unsized load sent alike to every target is said once, in the title; a sized one per target, in a row.
+    arrival_in_title = not sized and len(arrivals) == 1
     for label, value in _FIGURES:
         cells = tuple(value(run) for run in runs)
-        # A figure no target has (no sizing, no latency check) says nothing; one arrival for all goes in the title.
-        if any(cell != "-" for cell in cells) and not (value is _arrival and len(arrivals) == 1):
+        # A figure no target has (no sizing, no latency check) says nothing.
+        if any(cell != "-" for cell in cells) and not (value is _arrival and arrival_in_title):
             rows.append((label, *cells))
             marks.append(None)
-    sized = any(run.run.verdict.target_size is not None for run in runs)
     if sized:
         title = (
             "Side by side (each target: the same experiment and seed; the load is sized from each server, as the "
             "arrival row shows)"
         )
     else:
-        sent = f": {next(iter(arrivals))}" if len(arrivals) == 1 and "-" not in arrivals else ""
+        sent = f": {next(iter(arrivals))}" if arrival_in_title and "-" not in arrivals else ""
         title = f"Side by side (each target: the same experiment, the same seeded load{sent})"
     return Section(title, ("", *_names(runs)), rows, marks)
 

@@ -36,9 +36,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.device_tables.get(request_id, [])
 
-    def num_new_blocks_needed(self, request_id: str, num_total_tokens: int) -> int:
-        return max(0, num_blocks_for(num_total_tokens, self.block_size) - len(self.block_ids(request_id)))
-
     def allocate_slots(self, request_id: str, num_total_tokens: int, num_reserved_blocks: int = 0) -> list[int] | None:
         """Grow the request's table to hold ``num_total_tokens`` tokens.
 
@@ -46,8 +43,6 @@ class KVCacheManager:
         nothing, when that would leave fewer than ``num_reserved_blocks`` free.
         """
         table = self.device_tables.get(request_id)
-        # num_new_blocks_needed without two calls: every running request asks every step, the forecast thousands of
-        # steps ahead.
         needed = num_blocks_for(num_total_tokens, self.block_size) - (len(table) if table is not None else 0)
         if needed <= 0:
             return []

@@ -78,7 +78,10 @@ class StepPlan:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preemptions: list[PreemptionEvent] = field(default_factory=list)
-    num_batched_tokens: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(num_new for _, num_new in self.batch)
 
 
 @dataclass
@@ -306,7 +309,6 @@ class Scheduler:
 
     def _schedule(self, request: SchedulableRequest, num_new: int, budget: StepBudget, plan: StepPlan) -> None:
         plan.batch.append((request, num_new))
-        plan.num_batched_tokens += num_new
         budget.tokens -= num_new
         budget.seats -= 1
 

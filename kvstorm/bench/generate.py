@@ -114,13 +114,19 @@ def add_bench_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench_generate(args: argparse.Namespace) -> BenchReport:
-    with tempfile.TemporaryDirectory(prefix="kvstorm-bench-cache-") as cache:
-        os.environ[CACHE_DIR_ENV] = cache  # the children's: kvstorm's first run converts the GGUF into it
-        measure_transformers()  # warm the page cache so every measured run reads the file from memory
-        first_run = measure_kvstorm()
-        kvstorm_runs = [measure_kvstorm() for _ in range(args.runs)]
-        peer_runs = [measure_transformers() for _ in range(args.runs)]
-        del os.environ[CACHE_DIR_ENV]
+    previous_cache = os.environ.get(CACHE_DIR_ENV)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstorm-bench-cache-") as cache:
+            os.environ[CACHE_DIR_ENV] = cache  # the children's: kvstorm's first run converts the GGUF into it
+            measure_transformers()  # warm the page cache so every measured run reads the file from memory
+            first_run = measure_kvstorm()
+            kvstorm_runs = [measure_kvstorm() for _ in range(args.runs)]
+            peer_runs = [measure_transformers() for _ in range(args.runs)]
+    finally:
+        if previous_cache is None:
+            os.environ.pop(CACHE_DIR_ENV, None)
+        else:
+            os.environ[CACHE_DIR_ENV] = previous_cache
     table = "\n".join(
         [
             "| program | model load s | tokenizer load s | whole process s | decode tokens/s | peak RSS MiB |",

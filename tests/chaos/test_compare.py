@@ -242,6 +242,11 @@ def test_a_load_sized_per_target_is_shown_as_such_and_a_figure_no_target_has_is_
     shared = side_by_side(same)
     assert shared.title.endswith("the same seeded load: poisson:rate=2)")
     assert "arrival (as sent)" not in {row[0] for row in shared.rows}
+    # Sized from each server, the arrival stays a row even where every target measured the same.
+    sized_alike = [
+        replace(run, run=replace(run.run, verdict=replace(run.run.verdict, target_size=size))) for run in same
+    ]
+    assert "arrival (as sent)" in {row[0] for row in side_by_side(sized_alike).rows}
 
 
 def test_kvstorms_own_figures_read_not_exported_on_vllm_and_zero_only_on_a_server_that_exports_them():
