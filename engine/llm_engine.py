@@ -16,6 +16,7 @@ import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
 from engine.attention.selector import make_attention_backend
+from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import EngineConfig
 from engine.core.interface import InvalidRequest, Prompt
@@ -121,7 +122,10 @@ class LLMEngine:
             config.matmul_kernel,
         )
         kv_cache_manager = KVCacheManager(
-            BlockPool(num_device_blocks, "device"), BlockPool(num_host_blocks, "host"), cache.block_size
+            BlockPool(num_device_blocks, "device"),
+            BlockPool(num_host_blocks, "host"),
+            cache.block_size,
+            cache.enable_prefix_caching,
         )
         preemption_policy = PreemptionPolicy(
             config.scheduler.preemption_mode,
@@ -144,6 +148,7 @@ class LLMEngine:
             layer_ops=runner.layer_ops,
             scheduler_config=config.scheduler,
             watermark=cache.watermark,
+            enable_prefix_caching=cache.enable_prefix_caching,
         )
         return cls(config, runner, kv_cache_manager, preemption_policy, info, tokenizer, load_timings)
 
@@ -205,18 +210,23 @@ class LLMEngine:
                 raise InvalidRequest(
                     f"token ids {outside} are outside the vocabulary of {self.info.vocab_size} tokens", param
                 )
+        block_hashes: list[BlockHash] = []
+        if self.info.enable_prefix_caching:  # hashed here, off the engine's thread
+            extend_block_hashes(block_hashes, prompt_ids, self.info.block_size)
         return PreparedRequest(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=tuple(prompt_ids),
             sampling_params=params,
             arrival_ts=time.monotonic() if arrival_ts is None else arrival_ts,
             eos_token_ids=self.tokenizer.eos_token_ids if self.tokenizer else frozenset(),
+            block_hashes=tuple(block_hashes),
         )
 
     def add_prepared_request(self, prepared: PreparedRequest, first_attempt_ts: float | None = None) -> None:
         """Queue a request made by ``prepare_request`` (``first_attempt_ts``: a retry's first attempt, which keeps
         its place in line); ``ValueError`` if its id is already in use."""
-        request = Request.from_prepared(prepared, first_attempt_ts)
+        block_size = self.info.block_size if self.info.enable_prefix_caching else 0
+        request = Request.from_prepared(prepared, block_size, first_attempt_ts)
         self.scheduler.add_request(request)
         if self.tokenizer is not None:
             self._texts[request.request_id] = _TextState(IncrementalDetokenizer(self.tokenizer))
@@ -235,6 +245,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (blocks in use stay with their requests, but no new request finds them);
+        returns how many blocks were cached. What a benchmark calls to start cold."""
+        return self.kv_cache_manager.device_pool.forget_cache()
 
     def update_faults(self, **changes: object) -> dict[str, object]:
         """Change run-time faults (``engine.faults``): ``ValueError`` for a bad one, and then nothing changes; no
@@ -306,16 +321,18 @@ class LLMEngine:
                 )
                 for r in self.scheduler.requests.values()
             )
+        kv = self.kv_cache_manager
         return EngineSnapshot(
             stats=self.scheduler.stats(),
             prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
             copy_bytes_per_s=self.preemption_policy.copy_bytes_per_s,
             active_faults=self.faults.active(),
             last_step=self.last_step,
-            running_work=_remaining_work(self.scheduler.running, self.kv_cache_manager.device_tables),
-            swapped_work=_remaining_work(self.scheduler.swapped, self.kv_cache_manager.host_tables),
-            waiting_work=_remaining_work(self.scheduler.waiting, {}),
+            running_work=_remaining_work(self.scheduler.running, kv.device_tables, kv, on_device=True),
+            swapped_work=_remaining_work(self.scheduler.swapped, kv.host_tables, kv),
+            waiting_work=_remaining_work(self.scheduler.waiting, {}, kv),
             requests=requests,
+            evictable_block_hashes=kv.device_pool.evictable_hashes() if kv.enable_prefix_caching else (),
         )
 
     # ---- finishing: the one place --------------------------------------------------------
@@ -383,6 +400,7 @@ class LLMEngine:
             logprobs=logprobs,
             new_text=new_text,
             aborted_in=aborted_in,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     # ---- helpers --------------------------------------------------------------------------
@@ -521,7 +539,10 @@ class LLM:
         ]
 
 
-def _remaining_work(requests: list[Request], block_tables: dict[str, list[int]]) -> tuple[RemainingWork, ...]:
+def _remaining_work(
+    requests: list[Request], block_tables: dict[str, list[int]], kv: KVCacheManager, on_device: bool = False
+) -> tuple[RemainingWork, ...]:
+    caching = kv.enable_prefix_caching
     return tuple(
         RemainingWork(
             num_tokens=r.num_tokens,
@@ -529,6 +550,8 @@ def _remaining_work(requests: list[Request], block_tables: dict[str, list[int]])
             num_remaining_outputs=r.sampling_params.max_tokens - r.num_output_tokens,
             place_in_line_ts=r.place_in_line_ts,
             num_blocks=len(block_tables.get(r.request_id, ())),
+            block_hashes=tuple(r.block_hashes) if caching else (),
+            table_hashes=kv.table_hashes(r.request_id) if caching and on_device else (),
         )
         for r in requests
     )

@@ -25,6 +25,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     # Fraction of device blocks kept free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
+    # Requests share the KV blocks of a prompt prefix already computed (``engine.core.kv_cache_manager``).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):

@@ -1,9 +1,9 @@
 """The scheduler run ahead in time: when would a new request get its first token?
 
 The forecast builds a ``Scheduler`` of its own from an engine's snapshot (the same queues, the same block tables in
-pools of the same sizes and caps, the same configuration, preemption costs and batch limit) over lightweight
-requests, and runs its steps (``Scheduler.plan_step``: the scheduler's own phases, so every rule, a KV cap
-included, is written once) with durations from a step-time model, until the new request has its first token and a
+pools of the same sizes and caps, the same cached prefixes, the same configuration, preemption costs and batch limit)
+over lightweight requests, and runs its steps (``Scheduler.plan_step``: the scheduler's own phases, so every rule, a KV
+cap included, is written once) with durations from a step-time model, until the new request has its first token and a
 few decodes. A request finishes when it has produced all its ``max_tokens``: the forecast cannot know a stop token.
 """
 
@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.core.block_hash import ROOT_HASH, hash_block
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineInfo, EngineSnapshot, FinishReason, RemainingWork
@@ -45,9 +46,11 @@ class _ForecastRequest:
     """A request as the forecast's scheduler sees it (``engine.core.scheduler.SchedulableRequest``)."""
 
     __slots__ = (
+        "block_hashes",
         "finish_reason",
         "first_scheduled_ts",
         "max_num_tokens",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_remaining_outputs",
@@ -70,6 +73,17 @@ class _ForecastRequest:
         self.submission_index = 0
         self.num_preemptions = 0
         self.first_scheduled_ts: float | None = None
+        self.block_hashes = list(work.block_hashes)
+        self.num_cached_tokens: int | None = None
+
+    def add_invented_output(self, block_size: int, hashed: bool) -> None:
+        """One more output token, whose value the forecast cannot know. With ``hashed`` (prefix caching on), a
+        block it fills gets a hash of its own all the same: no other request shares it, but a recompute of this
+        one finds it cached, as in the engine."""
+        self.num_tokens += 1
+        if hashed and self.num_tokens % block_size == 0 and len(self.block_hashes) == self.num_tokens // block_size - 1:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.append(hash_block(parent, (), f"invented {self.request_id}".encode()))
 
 
 def scheduler_from_snapshot(snapshot: EngineSnapshot, info: EngineInfo) -> Scheduler:
@@ -83,7 +97,8 @@ def scheduler_from_snapshot(snapshot: EngineSnapshot, info: EngineInfo) -> Sched
     policy = PreemptionPolicy(
         config.preemption_mode, info.bytes_per_block, snapshot.copy_bytes_per_s, snapshot.prefill_tokens_per_s
     )
-    scheduler = Scheduler(config, KVCacheManager(device_pool, host_pool, info.block_size), policy, info.watermark)
+    kv = KVCacheManager(device_pool, host_pool, info.block_size, info.enable_prefix_caching)
+    scheduler = Scheduler(config, kv, policy, info.watermark)
     scheduler.back_off.limit = BatchLimit(stats.max_num_seqs_now, stats.max_num_batched_tokens_now)
     return scheduler
 
@@ -109,7 +124,8 @@ def forecast(
         (RequestStatus.WAITING, (*snapshot.waiting_work, *in_engine)),
     ):
         for work in works:
-            scheduler.restore_request(_ForecastRequest(next(names), work), status, work.num_blocks)
+            scheduler.restore_request(_ForecastRequest(next(names), work), status, work.num_blocks, work.table_hashes)
+    scheduler.kv.restore_evictable(snapshot.evictable_block_hashes)
     later = [_ForecastRequest(next(names), work) for work in arriving]
     new_request = _ForecastRequest(next(names), new)
     later.append(new_request)
@@ -155,11 +171,11 @@ def _advance(scheduler: Scheduler, plan: StepPlan, watched: _ForecastRequest) ->
     scheduler.back_off.on_success()
     watched_sampled = False
     for request, num_new in plan.batch:
-        request.num_computed_tokens += num_new
+        scheduler.computed(request, num_new)
         if request.num_computed_tokens < request.num_tokens:
             continue
         watched_sampled = watched_sampled or request is watched
-        request.num_tokens += 1
+        request.add_invented_output(scheduler.kv.block_size, scheduler.kv.enable_prefix_caching)
         request.num_remaining_outputs -= 1
         if request.num_remaining_outputs <= 0:
             scheduler.finish_request(request.request_id, FinishReason.LENGTH)

@@ -6,17 +6,48 @@ this step; only its last block may be partly empty::
     tokens:  |0 ........ 15|16 ....... 31|32 .. 37 ....... |
     blocks:  [  block 7    ][  block 2   ][ block 9 (6/16) ]
 
-Swapping moves a whole table between pools and returns the block-id pairs the
-model runner copies; the manager never touches the data.
+With prefix caching on, a table may begin with blocks other requests hold too: the longest prefix of the
+request's full blocks that is cached (``cached_prefix``) is shared at admission instead of computed, and each
+full block a request computes is registered for others (``register_computed_blocks``). Only full blocks are
+shared, and a request never writes into a full block, so sharing needs no copy-on-write.
+
+Swapping copies a whole table between pools and returns the block-id pairs the
+model runner copies; the manager never touches the data. A shared block stays on the device for its other
+owners while the swapped-out request keeps its own copy on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.core.block_hash import BlockHash
 from engine.core.block_pool import BlockPool
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+class HashedRequest(Protocol):
+    """What prefix caching reads of a request."""
+
+    request_id: str
+    num_computed_tokens: int
+    # The hash of each full block of the tokens known so far (``engine.core.block_hash``).
+    block_hashes: Sequence[BlockHash]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class PrefixCacheCounts:
+    """Since the manager was made: prompt tokens looked up at admission and how many of them were found cached."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
 
 
 class KVCacheManager:
@@ -26,57 +57,146 @@ class KVCacheManager:
     request (the only out-of-memory signal); the scheduler then preempts.
     """
 
-    def __init__(self, device_pool: BlockPool, host_pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self, device_pool: BlockPool, host_pool: BlockPool, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.device_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}
+        # How many of a request's device blocks have been offered to the cache: the next to register is the next.
+        self._num_offered: dict[str, int] = {}
+        self.prefix_cache_counts = PrefixCacheCounts()
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.device_tables.get(request_id, [])
 
-    def allocate_slots(self, request_id: str, num_total_tokens: int, num_reserved_blocks: int = 0) -> list[int] | None:
-        """Grow the request's table to hold ``num_total_tokens`` tokens.
+    def cached_prefix(self, request: HashedRequest) -> list[int]:
+        """The device blocks that hold the longest cached prefix of the request's tokens: full blocks only, and
+        never its last token (it is computed again, so that there are logits to sample from). Empty with prefix
+        caching off."""
+        if not self.enable_prefix_caching:
+            return []
+        block_ids = []
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
+            block_id = self.device_pool.cached_block(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_total_tokens: int,
+        num_reserved_blocks: int = 0,
+        cached_block_ids: Sequence[int] = (),
+    ) -> list[int] | None:
+        """Grow the request's table to hold ``num_total_tokens`` tokens, starting it with ``cached_block_ids`` (a
+        ``cached_prefix`` of a request that holds no blocks yet).
 
         Returns the newly added block ids (possibly none), or None, changing
         nothing, when that would leave fewer than ``num_reserved_blocks`` free.
         """
         table = self.device_tables.get(request_id)
-        needed = num_blocks_for(num_total_tokens, self.block_size) - (len(table) if table is not None else 0)
-        if needed <= 0:
+        if cached_block_ids and table:
+            raise ValueError(f"request {request_id!r} holds blocks already: a cached prefix starts a table")
+        num_held = len(cached_block_ids) + (len(table) if table is not None else 0)
+        needed = num_blocks_for(num_total_tokens, self.block_size) - num_held
+        if needed <= 0 and not cached_block_ids:
             return []
-        if self.device_pool.num_free_blocks - needed < num_reserved_blocks:
+        # Taking back an evictable cached block costs a free block as much as a new one does.
+        num_reused_free = sum(1 for block_id in cached_block_ids if self.device_pool.ref_count(block_id) == 0)
+        if self.device_pool.num_free_blocks - max(needed, 0) - num_reused_free < num_reserved_blocks:
             return None
-        new_block_ids = self.device_pool.allocate(needed)
+        self.device_pool.touch(cached_block_ids)
+        new_block_ids = self.device_pool.allocate(max(needed, 0))
         if new_block_ids is None:
-            return None
-        self.device_tables.setdefault(request_id, []).extend(new_block_ids)
+            raise AssertionError("the free count said the blocks were there")
+        if cached_block_ids:
+            self._num_offered[request_id] = len(cached_block_ids)
+        self.device_tables.setdefault(request_id, []).extend([*cached_block_ids, *new_block_ids])
         return new_block_ids
 
-    def restore_table(self, request_id: str, num_blocks: int, on_device: bool) -> None:
+    def register_computed_blocks(self, request: HashedRequest) -> None:
+        """Offer the cache every full block the request has computed since the last call (a no-op with prefix
+        caching off); one whose prefix is cached already stays the request's own."""
+        table = self.device_tables.get(request.request_id)
+        if not self.enable_prefix_caching or not table:
+            return
+        start = self._num_offered.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(table))
+        for index in range(start, end):
+            self.device_pool.register(table[index], request.block_hashes[index])
+        if end > start:
+            self._num_offered[request.request_id] = end
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_counts.queried_tokens += num_tokens
+        self.prefix_cache_counts.hit_tokens += num_hit_tokens
+
+    def table_hashes(self, request_id: str) -> tuple[BlockHash | None, ...]:
+        """The hash each block of the request's device table is cached under (None: not cached)."""
+        return tuple(self.device_pool.block_hash(block_id) for block_id in self.block_ids(request_id))
+
+    def restore_table(
+        self, request: HashedRequest, num_blocks: int, on_device: bool, table_hashes: Sequence[BlockHash | None] = ()
+    ) -> None:
         """Give a request ``num_blocks`` blocks of the device pool (or the host pool), whatever the capacity says: a
-        table as a snapshot of another manager shows it (the forecast starts from one)."""
+        table as a snapshot of another manager shows it (the forecast starts from one). ``table_hashes`` (device
+        only): the hash each block is cached under, or None; blocks under the same hash are one shared block."""
         pool, tables = (self.device_pool, self.device_tables) if on_device else (self.host_pool, self.host_tables)
-        block_ids = pool.allocate(num_blocks, beyond_capacity=True)
-        if block_ids is None:
-            raise ValueError(f"{pool.name} pool of {pool.num_blocks} blocks cannot hold {num_blocks} more")
-        tables.setdefault(request_id, []).extend(block_ids)
+        table = tables.setdefault(request.request_id, [])
+        for index in range(num_blocks):
+            block_hash = table_hashes[index] if index < len(table_hashes) else None
+            shared = None if block_hash is None else pool.cached_block(block_hash)
+            if shared is not None:
+                pool.touch([shared])
+                table.append(shared)
+                continue
+            block_ids = pool.allocate(1, beyond_capacity=True)
+            if block_ids is None:
+                raise ValueError(f"{pool.name} pool of {pool.num_blocks} blocks cannot hold {num_blocks} blocks more")
+            if block_hash is not None:
+                pool.register(block_ids[0], block_hash)
+            table.extend(block_ids)
+        if on_device:
+            self._num_offered[request.request_id] = min(
+                request.num_computed_tokens // self.block_size, len(request.block_hashes), num_blocks
+            )
+
+    def restore_evictable(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Put cached blocks no request holds into the device pool, the next to be evicted first (as
+        ``BlockPool.evictable_hashes`` lists them)."""
+        for block_hash in block_hashes:
+            block_ids = self.device_pool.allocate(1, beyond_capacity=True)
+            if block_ids is None:
+                raise ValueError(f"device pool of {self.device_pool.num_blocks} blocks cannot hold the cached blocks")
+            self.device_pool.register(block_ids[0], block_hash)
+            self.device_pool.free(block_ids)
 
     def free(self, request_id: str) -> None:
-        """Return every block the request holds, in either pool."""
-        self.device_pool.free(self.device_tables.pop(request_id, []))
+        """Return every block the request holds, in either pool (a device table tail first: its tail is evicted
+        first)."""
+        self.device_pool.free(reversed(self.device_tables.pop(request_id, [])))
         self.host_pool.free(self.host_tables.pop(request_id, []))
+        self._num_offered.pop(request_id, None)
 
     def can_swap_out(self, request_id: str) -> bool:
         return len(self.block_ids(request_id)) <= self.host_pool.num_free_blocks
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's table to the host pool; (device, host) block pairs, or None if the host is full."""
+        """Copy the request's table to the host pool and drop its device blocks (a shared one stays for its other
+        owners); (device, host) block pairs, or None if the host is full."""
+        self._num_offered.pop(request_id, None)
         return self._move_table(request_id, self.device_pool, self.device_tables, self.host_pool, self.host_tables)
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move the request's table back to the device pool; (host, device) pairs, or None if no room."""
+        """Move the request's table back into new device blocks (offered to the cache again as the request's next
+        step completes); (host, device) pairs, or None if no room."""
+        self._num_offered.pop(request_id, None)
         return self._move_table(request_id, self.host_pool, self.host_tables, self.device_pool, self.device_tables)
 
     @staticmethod
@@ -92,7 +212,7 @@ class KVCacheManager:
         if dst_ids is None:
             return None
         src_tables.pop(request_id, None)
-        src_pool.free(src_ids)
+        src_pool.free(reversed(src_ids))
         dst_tables[request_id] = dst_ids
         return list(zip(src_ids, dst_ids, strict=True))
 
@@ -100,7 +220,7 @@ class KVCacheManager:
         return len(self.host_tables.get(request_id, []))
 
     def check_invariants(self) -> None:
-        """Both pools: every block free or owned exactly as ref-counted; free + used = total."""
+        """Both pools: every block empty, evictable or owned exactly as ref-counted; the hash index consistent."""
         self.device_pool.check_invariants(self.device_tables.values())
         self.host_pool.check_invariants(self.host_tables.values())
         both = self.device_tables.keys() & self.host_tables.keys()

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.core.block_hash import BlockHash
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.sampling_params import SamplingParams
 
@@ -37,6 +38,8 @@ class PreparedRequest:
     arrival_ts: float
     # Token ids that end it unless sampling_params.ignore_eos (the tokenizer's EOS ids).
     eos_token_ids: frozenset[int] = frozenset()
+    # The hash of each full block of the prompt (``engine.core.block_hash``): what prefix caching looks up.
+    block_hashes: tuple[BlockHash, ...] = ()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -147,6 +150,8 @@ class RequestOutput:
     new_text: str = ""
     # The phase (``Request.phase``) an abort hit.
     aborted_in: str | None = None
+    # Prompt tokens found in the prefix cache when it was first admitted (None: not admitted yet).
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -176,6 +181,14 @@ class SchedulerStats:
     max_num_batched_tokens_now: int
     # Device blocks new work must leave free while requests run (the watermark they grow into).
     num_reserved_device_blocks: int = 0
+    # Prefix caching: device blocks cached under a hash (used or evictable), the evictable ones among them (counted
+    # as free), and since the engine started the prompt tokens looked up at admission, those found cached, and the
+    # cached blocks evicted (to make room, or by a cap).
+    num_cached_device_blocks: int = 0
+    num_evictable_device_blocks: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,10 @@ class RemainingWork(NamedTuple):
     place_in_line_ts: float
     # Blocks its table holds: on the device while it runs, on the host while it is swapped out.
     num_blocks: int = 0
+    # Prefix caching: the hash of each full block of its tokens so far, and (running only) the hash each block of
+    # its table is cached under (None: not cached); empty with prefix caching off.
+    block_hashes: tuple[BlockHash, ...] = ()
+    table_hashes: tuple[BlockHash | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,8 @@ class EngineSnapshot:
     waiting_work: tuple[RemainingWork, ...] = ()
     # Only when asked for (it walks every live request).
     requests: tuple[RequestSnapshot, ...] | None = None
+    # Cached device blocks no request holds, the next to be evicted first (``BlockPool.evictable_hashes``).
+    evictable_block_hashes: tuple[BlockHash, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -273,3 +292,5 @@ class EngineInfo:
     # The scheduler's rules and the share of the device pool new work leaves free (what a forecast replays).
     scheduler_config: SchedulerConfig
     watermark: float
+    # Whether requests share cached prompt prefixes (``engine.core.kv_cache_manager``).
+    enable_prefix_caching: bool = False

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.outputs import FinishReason, PreparedRequest, RequestTimings
 from engine.core.sampling_params import SamplingParams
 
@@ -53,6 +54,16 @@ class Request:
     finished_ts: float | None = None
     # The stop token id or stop string that ended the request, if one did.
     stop_reason: int | str | None = None
+    # Block size of the KV cache whose prefix blocks ``block_hashes`` names (0: none are hashed).
+    block_size: int = 0
+    # The hash of each full block of prompt and output so far (``engine.core.block_hash``), for prefix caching.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache at the first admission (None until then).
+    num_cached_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size:
+            extend_block_hashes(self.block_hashes, self.prompt_token_ids, self.block_size)
 
     @property
     def place_in_line_ts(self) -> float:
@@ -76,6 +87,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        if self.block_size and self.num_tokens % self.block_size == 0:
+            extend_block_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, self.block_size)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt followed by output."""
         prompt_len = len(self.prompt_token_ids)
@@ -86,7 +102,9 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @classmethod
-    def from_prepared(cls, prepared: PreparedRequest, first_attempt_ts: float | None = None) -> Request:
+    def from_prepared(
+        cls, prepared: PreparedRequest, block_size: int, first_attempt_ts: float | None = None
+    ) -> Request:
         return cls(
             request_id=prepared.request_id,
             prompt_token_ids=list(prepared.prompt_token_ids),
@@ -94,6 +112,8 @@ class Request:
             arrival_ts=prepared.arrival_ts,
             first_attempt_ts=first_attempt_ts,
             eos_token_ids=prepared.eos_token_ids,
+            block_size=block_size,
+            block_hashes=list(prepared.block_hashes),
         )
 
     @property

@@ -13,7 +13,9 @@ three phases, after giving back what a cap took away:
    preemption);
 3. waiting requests are admitted, oldest first (only once nothing is swapped
    out), their prompts chunked to the budget, while free blocks stay above the
-   watermark.
+   watermark; with prefix caching, a request starts from the longest prefix of
+   its prompt that is cached (those tokens count as computed, and its blocks
+   are shared, not allocated).
 
 A request is admitted or swapped back in only if all it may ever need (prompt
 plus ``max_tokens``) fits the pool's capacity: under a cap, one that cannot fit
@@ -32,10 +34,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from engine.core.block_hash import BlockHash
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import FinishReason, PreemptionEvent, ScheduledRequest, SchedulerOutput, SchedulerStats
@@ -54,6 +57,10 @@ class SchedulableRequest(Protocol):
     submission_index: int
     num_preemptions: int
     first_scheduled_ts: float | None
+    # Prefix caching: the hash of each full block of its tokens so far; prompt tokens found cached at its first
+    # admission (None until then).
+    block_hashes: Sequence[BlockHash]
+    num_cached_tokens: int | None
 
     @property
     def num_tokens(self) -> int:
@@ -133,15 +140,22 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         _insert_in_order(self.waiting, request)
 
-    def restore_request(self, request: SchedulableRequest, status: RequestStatus, num_blocks: int) -> None:
+    def restore_request(
+        self,
+        request: SchedulableRequest,
+        status: RequestStatus,
+        num_blocks: int,
+        table_hashes: Sequence[BlockHash | None] = (),
+    ) -> None:
         """Take a request over in the state an engine's snapshot shows it in: waiting, running with ``num_blocks``
-        device blocks, or swapped with ``num_blocks`` host blocks (how the forecast starts from a snapshot)."""
+        device blocks (cached under ``table_hashes``), or swapped with ``num_blocks`` host blocks (how the forecast
+        starts from a snapshot)."""
         self.add_request(request)
         if status is RequestStatus.WAITING:
             return
         self.waiting.remove(request)
         queue = self.running if status is RequestStatus.RUNNING else self.swapped
-        self.kv.restore_table(request.request_id, num_blocks, on_device=status is RequestStatus.RUNNING)
+        self.kv.restore_table(request, num_blocks, status is RequestStatus.RUNNING, table_hashes)
         request.status = status
         _insert_in_order(queue, request)
 
@@ -199,16 +213,23 @@ class Scheduler:
         advanced = []
         for scheduled in output.scheduled:
             request = self.requests[scheduled.request_id]
-            request.num_computed_tokens += scheduled.num_new_tokens
+            self.computed(request, scheduled.num_new_tokens)
             if not scheduled.needs_sample:
                 continue
-            request.output_token_ids.append(sampled[request.request_id])
+            request.append_output(sampled[request.request_id])
             if request.first_token_ts is None:
                 request.first_token_ts = now
             advanced.append(request)
         return advanced
 
+    def computed(self, request: SchedulableRequest, num_new_tokens: int) -> None:
+        """The step computed ``num_new_tokens`` more of the request's tokens: the full blocks among them are
+        offered to the prefix cache."""
+        request.num_computed_tokens += num_new_tokens
+        self.kv.register_computed_blocks(request)
+
     def stats(self) -> SchedulerStats:
+        device_pool = self.kv.device_pool
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -225,6 +246,11 @@ class Scheduler:
             max_num_seqs_now=self.back_off.limit.max_num_seqs,
             max_num_batched_tokens_now=self.back_off.limit.max_num_batched_tokens,
             num_reserved_device_blocks=int(self.watermark * self.kv.device_pool.capacity),
+            num_cached_device_blocks=device_pool.num_cached_blocks,
+            num_evictable_device_blocks=device_pool.num_evictable_blocks,
+            prefix_cache_queried_tokens=self.kv.prefix_cache_counts.queried_tokens,
+            prefix_cache_hit_tokens=self.kv.prefix_cache_counts.hit_tokens,
+            prefix_cache_evictions=device_pool.num_evictions,
         )
 
     # ---- phases -------------------------------------------------------------------------------
@@ -237,7 +263,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.tokens > 0 and budget.seats > 0:
             request = self.running[index]
-            num_new = self._num_new_tokens(request, budget.tokens)
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget.tokens)
             if num_new == 0:
                 break
             while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
@@ -256,15 +282,16 @@ class Scheduler:
     def _admit(
         self,
         queue: list[SchedulableRequest],
-        make_room: Callable[[SchedulableRequest, int, StepPlan], bool],
+        make_room: Callable[[SchedulableRequest, int, StepPlan], int],
         budget: StepBudget,
         plan: StepPlan,
     ) -> None:
-        """Move requests from the head of ``queue`` into the batch while budget, seats and ``make_room`` allow."""
+        """Move requests from the head of ``queue`` into the batch while budget, seats and ``make_room`` allow
+        (it returns how many tokens the request computes in this step, 0 if it cannot come in)."""
         while queue and budget.tokens > 0 and budget.seats > 0 and len(self.running) < self.config.max_num_seqs:
             request = queue[0]
-            num_new = self._num_new_tokens(request, budget.tokens)
-            if num_new == 0 or not make_room(request, request.num_computed_tokens + num_new, plan):
+            num_new = make_room(request, budget.tokens, plan)
+            if num_new == 0:
                 break
             queue.pop(0)
             request.status = RequestStatus.RUNNING
@@ -273,22 +300,42 @@ class Scheduler:
             _insert_in_order(self.running, request)
             self._schedule(request, num_new, budget, plan)
 
-    def _swap_in(self, request: SchedulableRequest, num_total_tokens: int, plan: StepPlan) -> bool:
+    def _swap_in(self, request: SchedulableRequest, budget_tokens: int, plan: StepPlan) -> int:
         """Bring a swapped request's blocks back, plus room for its new tokens, if that keeps the watermark."""
+        num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget_tokens)
+        num_total_tokens = request.num_computed_tokens + num_new
         swapped = self.kv.num_swapped_blocks(request.request_id)
         num_blocks = max(swapped, num_blocks_for(num_total_tokens, self.kv.block_size))
-        if not self._fits_capacity(request) or self.kv.device_pool.num_free_blocks - num_blocks < (
-            self._num_reserved_blocks()
+        if (
+            num_new == 0
+            or not self._fits_capacity(request)
+            or self.kv.device_pool.num_free_blocks - num_blocks < self._num_reserved_blocks()
         ):
-            return False
+            return 0
         plan.blocks_to_swap_in.extend(self.kv.swap_in(request.request_id))
         self.kv.allocate_slots(request.request_id, num_total_tokens)
-        return True
+        return num_new
 
-    def _allocate_for_admission(self, request: SchedulableRequest, num_total_tokens: int, plan: StepPlan) -> bool:
+    def _allocate_for_admission(self, request: SchedulableRequest, budget_tokens: int, plan: StepPlan) -> int:
+        """Admit a waiting request (new, or preempted to be recomputed) from its longest cached prefix."""
         if not self._fits_capacity(request):
-            return False
-        return self.kv.allocate_slots(request.request_id, num_total_tokens, self._num_reserved_blocks()) is not None
+            return 0
+        cached_block_ids = self.kv.cached_prefix(request)
+        num_cached_tokens = len(cached_block_ids) * self.kv.block_size
+        num_new = self._num_new_tokens(request.num_tokens - num_cached_tokens, budget_tokens)
+        if num_new == 0 or (
+            self.kv.allocate_slots(
+                request.request_id, num_cached_tokens + num_new, self._num_reserved_blocks(), cached_block_ids
+            )
+            is None
+        ):
+            return 0
+        request.num_computed_tokens = num_cached_tokens
+        if self.kv.enable_prefix_caching:
+            self.kv.count_lookup(request.num_tokens, num_cached_tokens)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_cached_tokens
+        return num_new
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -300,9 +347,9 @@ class Scheduler:
         """Whether all the request may ever need (prompt + max_tokens) fits the device pool's capacity."""
         return num_blocks_for(request.max_num_tokens, self.kv.block_size) <= self.kv.device_pool.capacity
 
-    def _num_new_tokens(self, request: SchedulableRequest, budget: int) -> int:
-        """Tokens this request gets now: all it lacks, or (chunked prefill) as many as the budget allows."""
-        remaining = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+        """Tokens a request that lacks ``remaining`` gets now: all of them, or (chunked prefill) as many as the
+        budget allows."""
         if remaining <= budget:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.forecast import FORECAST_HORIZON_S, forecast
-from engine.core.outputs import EngineInfo, EngineSnapshot, RemainingWork, StepStats
+from engine.core.outputs import BlockHash, EngineInfo, EngineSnapshot, RemainingWork, StepStats
 
 
 class AdmissionRefused(Exception):
@@ -122,10 +122,14 @@ class NewRequest:
     retry_key: str | None = None
     # Its place in the scheduler's queues (``Request.place_in_line_ts``); infinity: behind every request there.
     place_in_line_ts: float = math.inf
+    # Its prompt's full blocks (``PreparedRequest.block_hashes``): the forecast finds those cached as the engine will.
+    block_hashes: tuple[BlockHash, ...] = ()
 
     @property
     def work(self) -> RemainingWork:
-        return RemainingWork(self.num_prompt_tokens, 0, self.max_tokens, self.place_in_line_ts)
+        return RemainingWork(
+            self.num_prompt_tokens, 0, self.max_tokens, self.place_in_line_ts, block_hashes=self.block_hashes
+        )
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,9 @@ class RequestStream:
         """The request before the engine has scheduled any of it, as admission's forecast sees it."""
         place_in_line_ts = self.prepared.arrival_ts if self.first_attempt_ts is None else self.first_attempt_ts
         max_tokens = self.prepared.sampling_params.max_tokens
-        return RemainingWork(self.prepared.num_prompt_tokens, 0, max_tokens, place_in_line_ts)
+        return RemainingWork(
+            self.prepared.num_prompt_tokens, 0, max_tokens, place_in_line_ts, block_hashes=self.prepared.block_hashes
+        )
 
     def put(self, item: RequestOutput | EngineFailure) -> None:
         """On the event loop only."""
@@ -179,7 +181,9 @@ class AsyncEngine:
         ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
         ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
         prepared = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
-        decision, model_ttft_s = self._decide(NewRequest(prepared.num_prompt_tokens, params.max_tokens, retry_key))
+        decision, model_ttft_s = self._decide(
+            NewRequest(prepared.num_prompt_tokens, params.max_tokens, retry_key, block_hashes=prepared.block_hashes)
+        )
         if decision.honoured_retry:
             self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:

@@ -27,6 +27,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     watermark: float = 0.0,
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -34,17 +35,27 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         preemption_mode=preemption_mode,
     )
-    kv = KVCacheManager(BlockPool(num_blocks, "device"), BlockPool(num_host_blocks, "host"), BLOCK_SIZE)
+    kv = KVCacheManager(
+        BlockPool(num_blocks, "device"), BlockPool(num_host_blocks, "host"), BLOCK_SIZE, enable_prefix_caching
+    )
     return Scheduler(config, kv, PreemptionPolicy(preemption_mode, bytes_per_block=1024), watermark)
 
 
-def make_request(prompt_len: int, max_tokens: int = 8, request_id: str | None = None, **params: object) -> Request:
+def make_request(
+    prompt_len: int,
+    max_tokens: int = 8,
+    request_id: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    **params: object,
+) -> Request:
+    """A request of ``prompt_len`` tokens of its own (or ``prompt_token_ids``), hashed for prefix caching."""
     arrival = next(_arrivals)
     return Request(
         request_id=request_id or f"r{arrival}",
-        prompt_token_ids=[(arrival + i) % 100 + 1 for i in range(prompt_len)],
+        prompt_token_ids=prompt_token_ids or [(arrival + i) % 100 + 1 for i in range(prompt_len)],
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),
         arrival_ts=float(arrival),
+        block_size=BLOCK_SIZE,
     )
 
 

@@ -31,15 +31,38 @@ CAPS = {
 SHAPES = [(256, 64), (100, 16), (400, 8), (600, 16)]
 
 
+def prompt(rng: random.Random, index: int, prompt_len: int) -> list[int]:
+    """The first half of one of three shared prefixes, then tokens of its own: hits of every length, whole blocks
+    and not, from blocks held by running requests and from evictable ones."""
+    family, shared = rng.randrange(3), prompt_len // 2
+    return [1 + (family * 131 + i) % 500 for i in range(shared)] + [
+        1 + (index * 7 + i) % 500 for i in range(prompt_len - shared)
+    ]
+
+
 @pytest.mark.parametrize(
-    ("preemption_mode", "faults"), [("swap", NO_CAPS), ("recompute", NO_CAPS), ("swap", CAPS), ("auto", CAPS)]
+    ("preemption_mode", "faults", "prefix_caching"),
+    [
+        ("swap", NO_CAPS, True),
+        ("recompute", NO_CAPS, True),
+        ("swap", CAPS, True),
+        ("auto", CAPS, True),
+        ("auto", CAPS, False),
+    ],
 )
-def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_does(preemption_mode, faults):
+def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_does(
+    preemption_mode, faults, prefix_caching
+):
     """Requests arrive at random steps into an engine whose pool holds two or three at a time; for each, the
     forecast from the snapshot before it arrived names the step of its first token, unless a fault changed between
-    that snapshot and the first token (the forecast cannot know a fault that is set later)."""
+    that snapshot and the first token (the forecast cannot know a fault that is set later). Their prompts share
+    prefixes: with prefix caching on, the forecast finds the hits the engine then finds."""
     engine = make_tiny_engine(
-        kv_cache_memory=68 * 8192, swap_space=120 * 8192, max_num_batched_tokens=512, preemption_mode=preemption_mode
+        kv_cache_memory=68 * 8192,
+        swap_space=120 * 8192,
+        max_num_batched_tokens=512,
+        preemption_mode=preemption_mode,
+        enable_prefix_caching=prefix_caching,
     )
     assert engine.info.bytes_per_block == 8192
     assert engine.stats().num_device_blocks == 68
@@ -59,15 +82,16 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
                 num_steps += 1
             request_id = f"r{index}"
             prompt_len, max_tokens = rng.choice(SHAPES)
-            new = RemainingWork(prompt_len, 0, max_tokens, math.inf)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            prepared = engine.prepare_request(prompt(rng, index, prompt_len), params, request_id=request_id)
+            new = RemainingWork(prompt_len, 0, max_tokens, math.inf, block_hashes=prepared.block_hashes)
             ahead = forecast(snapshot, engine.info, [], [], new, one_per_step, horizon_s=2000).ttft_s
             predicted[request_id] = num_steps - in_progress + ahead
             predicted_at[request_id] = num_steps - in_progress
             stats = snapshot.stats
             if stats.num_device_blocks < stats.num_physical_device_blocks:
                 under_cap.add(request_id)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            engine.add_request([1 + i % 500 for i in range(prompt_len)], params, request_id=request_id)
+            engine.add_prepared_request(prepared)
         for output in engine.step().outputs:
             if output.new_token_ids:
                 first_token_step.setdefault(output.request_id, num_steps + 1)
@@ -83,8 +107,12 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
     compared = [r for r in predicted if unchanged(r)]
     misses = {r: (predicted[r], first_token_step[r]) for r in compared if predicted[r] != first_token_step[r]}
     assert not misses, f"forecast (steps) vs the engine: {misses}"
-    assert engine.stats().num_preemptions >= 10
+    stats = engine.stats()
+    assert stats.num_preemptions >= 10
     assert len(compared) > 40
+    if prefix_caching:
+        assert stats.prefix_cache_hit_tokens > stats.prefix_cache_queried_tokens / 10
+        assert stats.prefix_cache_evictions > 0
     if faults:
         assert len(under_cap & set(compared)) >= 20
         waited = [r for r in under_cap if not unchanged(r) and predicted[r] == math.inf]

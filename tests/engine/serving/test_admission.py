@@ -39,8 +39,9 @@ def test_the_step_time_model_learns_a_machine_from_its_steps():
 
 
 def _busy_snapshot(engine):
-    for index in range(6):
-        engine.add_request(list(range(1, 201)), SamplingParams(max_tokens=50, ignore_eos=True), request_id=f"b{index}")
+    for index in range(6):  # prompts of their own: nothing for prefix caching to share
+        prompt = [1 + index, *range(1, 200)]
+        engine.add_request(prompt, SamplingParams(max_tokens=50, ignore_eos=True), request_id=f"b{index}")
     engine.step()
     return engine.snapshot()
 
