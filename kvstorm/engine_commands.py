@@ -72,6 +72,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--swap-space", type=parse_bytes, default="1GiB", help="host swap pool budget")
     group.add_argument("--watermark", type=float, default=defaults_cache.watermark)
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full instead of sharing the KV blocks of a prefix already computed",
+    )
     group.add_argument("--max-num-seqs", type=int, default=defaults_sched.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults_sched.max_num_batched_tokens)
     group.add_argument("--no-chunked-prefill", action="store_true", help="schedule prompts whole")
@@ -118,6 +123,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "num_kv_blocks": args.num_kv_blocks,
         "swap_space": args.swap_space,
         "watermark": args.watermark,
+        "enable_prefix_caching": not args.no_prefix_caching,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": not args.no_chunked_prefill,

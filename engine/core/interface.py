@@ -66,6 +66,10 @@ class EngineClient(Protocol):
 
     def snapshot(self, include_requests: bool = False) -> EngineSnapshot: ...
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns how many blocks were cached."""
+        ...
+
     def update_faults(self, **changes: object) -> dict[str, object]:
         """Change run-time faults (``ValueError`` for a bad one, nothing changed); returns every fault's value."""
         ...

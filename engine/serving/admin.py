@@ -147,6 +147,15 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
             raise ApiError(400, str(error), "num_steps") from None
         return web.json_response({"num_iterations": async_engine.num_iterations})
 
-    handlers = {"stats": stats, "pause": pause, "resume": resume, "step": step}
+    async def reset_prefix_cache(_: web.Request) -> web.Response:
+        return web.json_response(await run_off_loop(async_engine.reset_prefix_cache))
+
+    handlers = {
+        "stats": stats,
+        "pause": pause,
+        "resume": resume,
+        "step": step,
+        "reset_prefix_cache": reset_prefix_cache,
+    }
     handlers |= {"get_faults": get_faults, "set_faults": set_faults, "clear_faults": clear_faults}
     return route_definitions(ADMIN_ROUTES, {name: authorized(handler) for name, handler in handlers.items()})

@@ -42,6 +42,7 @@ from engine.core.outputs import (
     RemainingWork,
     RequestOutput,
     RequestTimings,
+    SchedulerStats,
     StepResult,
 )
 from engine.core.sampling_params import SamplingParams
@@ -262,6 +263,14 @@ class AsyncEngine:
         self._freeze(0.0)
         return self._fault_values(faults)
 
+    def reset_prefix_cache(self) -> dict[str, object]:
+        """Forget every cached prefix (what a benchmark does between runs, to start cold); waits for the step in
+        progress."""
+        with self._engine_lock:
+            num_forgotten = self.engine.reset_prefix_cache()
+            self._publish(self.engine.snapshot())
+        return {"num_cached_blocks_forgotten": num_forgotten}
+
     def _fault_values(self, engine_faults: dict[str, object]) -> dict[str, object]:
         freeze_s = self.freeze_remaining_s
         active = [name for name, on in self.snapshot.active_faults.items() if on] + ["freeze"] * (freeze_s is not None)
@@ -307,6 +316,7 @@ class AsyncEngine:
             "num_iterations": self.num_iterations,
             "num_in_flight": self.num_in_flight,
             "stats": dataclasses.asdict(snapshot.stats),
+            "prefix_cache": _prefix_cache_summary(self.engine.info.enable_prefix_caching, snapshot.stats),
             "requests": {
                 r.request_id: {k: v for k, v in dataclasses.asdict(r).items() if k != "request_id"}
                 for r in snapshot.requests
@@ -399,7 +409,7 @@ class AsyncEngine:
     def _deliver_output(self, stream: RequestStream, output: RequestOutput, now: float, deliveries) -> None:
         if output.new_token_ids:
             gap_s = None if stream.last_token_ts is None else now - stream.last_token_ts
-            self.metrics.observe_tokens(output.timings, len(output.new_token_ids), gap_s)
+            self.metrics.observe_tokens(output.timings, len(output.new_token_ids), gap_s, output.num_cached_tokens)
             if gap_s is None and stream.model_ttft_s is not None:
                 self._learn_from_first_token(stream, output.timings)
             stream.last_token_ts = now
@@ -450,3 +460,18 @@ def _deliver(deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure
     """On the event loop: hand each output to its stream."""
     for stream, item in deliveries:
         stream.put(item)
+
+
+def _prefix_cache_summary(enabled: bool, stats: SchedulerStats) -> dict[str, object]:
+    """Whether prefix caching is on, and since the engine started the share of prompt tokens looked up at admission
+    that were found cached (None before any lookup)."""
+    queried, hit = stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens
+    return {
+        "enabled": enabled,
+        "hit_rate": hit / queried if queried else None,
+        "queried_tokens": queried,
+        "hit_tokens": hit,
+        "cached_blocks": stats.num_cached_device_blocks,
+        "evictable_blocks": stats.num_evictable_device_blocks,
+        "evictions": stats.prefix_cache_evictions,
+    }

@@ -91,6 +91,26 @@ class EngineMetrics:
         self.kv_cap_fraction = self._labelled(
             Gauge, "kvstorm:kv_cap_fraction", "Fraction of each pool's blocks usable now (1: no cap fault)", ("pool",)
         )
+        # vLLM's names and units (tokens), so a dashboard's hit rate reads either server.
+        self.prefix_cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens"
+        )
+        self.prefix_cache_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens"
+        )
+        self.prompt_tokens_cached = self._counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens found in the prefix cache at a request's first admission"
+        )
+        self.prefix_cache_evictions = self._counter(
+            "kvstorm:prefix_cache_evictions", "Cached KV blocks evicted (to make room, or by a KV cap)"
+        )
+        self.cached_blocks = self._labelled(
+            Gauge,
+            "kvstorm:prefix_cache_blocks",
+            "Device blocks cached under a prefix hash: held by requests, or evictable (counted as free)",
+            ("state",),
+        )
+        self._prefix_cache_totals = (0, 0, 0)
 
     def _add_event_series(self) -> None:
         self.num_preemptions = self._counter("vllm:num_preemptions", "Preemptions (vLLM's name)")
@@ -219,10 +239,27 @@ class EngineMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
 
     def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
-        """The engine between two steps: its queues, pools, batch limit and faults."""
+        """The engine between two steps: its queues, pools, prefix cache, batch limit and faults."""
         self._observe_queues(snapshot.stats)
+        self._observe_prefix_cache(snapshot.stats)
         for fault, active in snapshot.active_faults.items():
             self.set_fault(fault, active)
+
+    def _observe_prefix_cache(self, stats: SchedulerStats) -> None:
+        """The engine counts since it started; the counters go up by what it counted since the last snapshot."""
+        totals = (stats.prefix_cache_queried_tokens, stats.prefix_cache_hit_tokens, stats.prefix_cache_evictions)
+        for counter, total, before in zip(
+            (self.prefix_cache_queries, self.prefix_cache_hits, self.prefix_cache_evictions),
+            totals,
+            self._prefix_cache_totals,
+            strict=True,
+        ):
+            if total > before:
+                counter.inc(total - before)
+        self._prefix_cache_totals = totals
+        held = stats.num_cached_device_blocks - stats.num_evictable_device_blocks
+        self._labels(self.cached_blocks, state="held").set(held)
+        self._labels(self.cached_blocks, state="evictable").set(stats.num_evictable_device_blocks)
 
     def _observe_queues(self, stats: SchedulerStats) -> None:
         self.num_requests_running.set(stats.num_running)
@@ -240,11 +277,15 @@ class EngineMetrics:
         self.kv_cache_usage.set(_usage(stats.num_free_device_blocks, stats.num_device_blocks))
         self.cpu_cache_usage.set(_usage(stats.num_free_host_blocks, stats.num_host_blocks))
 
-    def observe_tokens(self, timings: RequestTimings, num_new_tokens: int, gap_s: float | None) -> None:
-        """New tokens of one request; ``gap_s`` is the time since its previous token (None for the first)."""
+    def observe_tokens(
+        self, timings: RequestTimings, num_new_tokens: int, gap_s: float | None, num_cached_tokens: int | None = None
+    ) -> None:
+        """New tokens of one request; ``gap_s`` is the time since its previous token (None for the first, which
+        also counts the prompt tokens it found cached)."""
         self.generation_tokens.inc(num_new_tokens)
         if gap_s is None:
             self.time_to_first_token.observe(timings.first_token_ts - timings.arrival_ts)
+            self.prompt_tokens_cached.inc(num_cached_tokens or 0)
         else:
             self.inter_token_latency.observe(gap_s)
 

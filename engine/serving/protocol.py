@@ -242,10 +242,15 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache, not computed")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # A request the engine gives up on ("error") ends with an error event or a 500, never with a choice.
@@ -508,6 +513,12 @@ ADMIN_ROUTES = (
         _admin("Change some faults (a JSON object of them, optionally lease_s); answers with them all"),
     ),
     Route("DELETE", "/admin/faults", "clear_faults", _admin("Every fault off, the lease ended; answers with them all")),
+    Route(
+        "POST",
+        "/admin/reset_prefix_cache",
+        "reset_prefix_cache",
+        _admin("Forget every cached prefix, so that a benchmark starts cold (vLLM's /reset_prefix_cache)"),
+    ),
 )
 
 

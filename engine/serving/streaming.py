@@ -23,6 +23,7 @@ from engine.serving.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -39,6 +40,7 @@ class ChoiceAssembler:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
     def push(self, output: RequestOutput) -> tuple[str, tuple[TokenLogprobs, ...]]:
         """The text delta this output brings, and its tokens' logprobs (none unless the request asked). The first
@@ -48,6 +50,7 @@ class ChoiceAssembler:
         self.is_started = True
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_output_tokens = output.num_output_tokens
+        self.num_cached_tokens = output.num_cached_tokens or 0
         self.finish_reason = output.finish_reason
         self.text += output.new_text
         if output.logprobs is not None:
@@ -97,7 +100,13 @@ class ChoiceAssembler:
 def usage_of(choices: Sequence[ChoiceAssembler]) -> Usage:
     prompt = sum(c.num_prompt_tokens for c in choices)
     completion = sum(c.num_output_tokens for c in choices)
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(c.num_cached_tokens for c in choices))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=cached,
+    )
 
 
 def role_chunk(
