@@ -21,6 +21,7 @@ def engine_board() -> Board:
         description="Queues, KV pools, preemption and swap, steps, latency and outcomes of an engine",
         rows=(
             ("Queues and KV", _queue_and_kv_panels()),
+            ("Prefix cache", _prefix_cache_panels()),
             ("Preemption and swap", _preemption_panels()),
             ("Steps and throughput", _step_panels()),
             ("Latency", _latency_panels()),
@@ -63,6 +64,39 @@ def _queue_and_kv_panels() -> tuple[Panel, ...]:
         description="1 while a fault is on (engine faults through /admin/faults)",
     )
     return queues, kv_usage, blocks, faults
+
+
+def _prefix_cache_panels() -> tuple[Panel, ...]:
+    hit_rate = Panel(
+        "Prefix cache hit rate against KV usage and preemptions",
+        (
+            Query(
+                f"sum(rate(vllm:prefix_cache_hits_total{{{SEL}}}[{RATE}])) "
+                f"/ sum(rate(vllm:prefix_cache_queries_total{{{SEL}}}[{RATE}]))",
+                "hit rate (prompt tokens)",
+            ),
+            Query(f"max(vllm:kv_cache_usage_perc{{{SEL}}})", "KV usage"),
+            Query(f"sum(rate(vllm:num_preemptions_total{{{SEL}}}[{RATE}]))", "preemptions/s"),
+        ),
+        unit="percentunit",
+        right_axis=("preemptions/s",),
+        right_unit="ops",
+        description="Hits and queries in prompt tokens looked up at admission (vLLM's counters); no data while "
+        "no prompt arrives. A burst that fills the pool evicts the cache: the hit rate falls as usage and "
+        "preemptions climb",
+    )
+    blocks = Panel(
+        "Prefix cache blocks (held, evictable) and evictions per second",
+        (
+            Query(f"sum by (state) (kvstorm:prefix_cache_blocks{{{SEL}}})", "{{state}}"),
+            Query(f"sum(rate(kvstorm:prefix_cache_evictions_total{{{SEL}}}[{RATE}]))", "evictions/s"),
+        ),
+        unit="short",
+        right_axis=("evictions/s",),
+        right_unit="ops",
+        description="Cached blocks held by requests, and evictable ones (no request holds them; counted as free)",
+    )
+    return hit_rate, blocks
 
 
 def _preemption_panels() -> tuple[Panel, ...]:

@@ -63,6 +63,45 @@ class SloResult(BaseModel):
     met: bool
 
 
+class PrefixReuse(BaseModel):
+    """Over the ok requests whose prompt size the server reported: how many prompt tokens a prefix cache could have
+    served (their leading tokens an earlier request of the run sent first, as the workload counts them) and how many
+    the server says it served (usage.prompt_tokens_details.cached_tokens; None when it never said)."""
+
+    prompt_tokens: int
+    shareable_tokens: int
+    cached_tokens: int | None
+
+    @property
+    def expected_fraction(self) -> float | None:
+        return self.shareable_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+    @property
+    def measured_fraction(self) -> float | None:
+        return None if self.cached_tokens is None or not self.prompt_tokens else self.cached_tokens / self.prompt_tokens
+
+
+class TurnStats(BaseModel):
+    """One turn index of a multi-turn run, over its sessions' requests that reached it."""
+
+    turn: int
+    num_sent: int
+    num_ok: int
+    ttft: LatencyStats | None
+    mean_prompt_tokens: float | None
+    cached_tokens: int | None
+
+
+class SessionCounts(BaseModel):
+    """Sessions of a multi-turn run: all started at their arrival; completed ones got every turn answered ok, the
+    others were cut short by a turn that was not."""
+
+    num_sessions: int
+    num_turns: int
+    completed: int
+    cut_short: int
+
+
 class Summary(BaseModel):
     duration_s: float
     num_requests: int
@@ -78,6 +117,9 @@ class Summary(BaseModel):
     num_short_outputs: int
     slos: list[SloResult]
     goodput: float | None
+    prefix_reuse: PrefixReuse | None = None
+    turns: list[TurnStats] | None = None
+    sessions: SessionCounts | None = None
 
 
 def parse_slos(text: str | None) -> list[Slo]:
@@ -95,7 +137,10 @@ def parse_slos(text: str | None) -> list[Slo]:
     return slos
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slos: Sequence[Slo] = ()) -> Summary:
+def summarize(
+    records: list[RequestRecord], duration_s: float, slos: Sequence[Slo] = (), num_turns: int | None = None
+) -> Summary:
+    """``num_turns``: the turns of each session of a multi-turn run (None for single requests)."""
     ok = [record for record in records if record.outcome is Outcome.OK]
     stats = {
         "ttft": LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
@@ -123,7 +168,60 @@ def summarize(records: list[RequestRecord], duration_s: float, slos: Sequence[Sl
         num_short_outputs=sum(r.output_tokens < r.requested_output_tokens for r in ok),
         slos=slo_results,
         goodput=len(good) / duration_s if slos else None,
+        prefix_reuse=prefix_reuse(ok),
+        turns=turn_stats(records) if num_turns else None,
+        sessions=session_counts(records, num_turns) if num_turns else None,
         **stats,
+    )
+
+
+def prefix_reuse(ok: list[RequestRecord]) -> PrefixReuse | None:
+    """None when the workload shares no prefix and the server reports no cached tokens."""
+    counted = [r for r in ok if r.prompt_tokens is not None]
+    reported = [r.cached_tokens for r in counted if r.cached_tokens is not None]
+    shareable = sum(min(r.shared_prefix_tokens, r.prompt_tokens) for r in counted)
+    if not counted or (not shareable and not reported):
+        return None
+    return PrefixReuse(
+        prompt_tokens=sum(r.prompt_tokens for r in counted),
+        shareable_tokens=shareable,
+        cached_tokens=sum(reported) if reported else None,
+    )
+
+
+def turn_stats(records: list[RequestRecord]) -> list[TurnStats]:
+    by_turn: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        if record.turn is not None:
+            by_turn.setdefault(record.turn, []).append(record)
+    stats = []
+    for turn, sent in sorted(by_turn.items()):
+        ok = [r for r in sent if r.outcome is Outcome.OK]
+        prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+        cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+        stats.append(
+            TurnStats(
+                turn=turn,
+                num_sent=len(sent),
+                num_ok=len(ok),
+                ttft=LatencyStats.of([r.ttft_s for r in ok if r.ttft_s is not None]),
+                mean_prompt_tokens=float(np.mean(prompts)) if prompts else None,
+                cached_tokens=sum(cached) if cached else None,
+            )
+        )
+    return stats
+
+
+def session_counts(records: list[RequestRecord], num_turns: int) -> SessionCounts:
+    sessions: dict[int, list[RequestRecord]] = {}
+    for record in records:
+        if record.session is not None:
+            sessions.setdefault(record.session, []).append(record)
+    completed = sum(
+        len(turns) == num_turns and all(r.outcome is Outcome.OK for r in turns) for turns in sessions.values()
+    )
+    return SessionCounts(
+        num_sessions=len(sessions), num_turns=num_turns, completed=completed, cut_short=len(sessions) - completed
     )
 
 
@@ -234,4 +332,11 @@ def advisories(
         )
     if ok and all(r.usage_completion_tokens is None for r in ok):
         notes.append("The server sent no usage: output tokens are the token chunks counted; prompt tokens unknown.")
+    reuse = summary.prefix_reuse
+    if reuse is not None and reuse.cached_tokens is None:
+        notes.append(
+            f"The workload could have been served {reuse.expected_fraction:.0%} of its prompt tokens from a prefix "
+            "cache, but the server reported no usage.prompt_tokens_details.cached_tokens: its hit rate is unmeasured "
+            "here (vLLM sends it with --enable-prompt-tokens-details; its /metrics has vllm:prefix_cache_hits)."
+        )
     return notes

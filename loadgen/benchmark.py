@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from loadgen.analysis import advisories, parse_slos, summarize
+from loadgen.analysis import Summary, advisories, parse_slos, summarize
 from loadgen.arrivals import make_arrivals
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
@@ -17,7 +17,8 @@ from loadgen.prometheus import fetch_series
 from loadgen.records import Outcome
 from loadgen.results import FaultWindow, RunConfig, RunResult
 from loadgen.runner import run_open_loop
-from loadgen.workloads import build_plan
+from loadgen.sessions import build_sessions, run_sessions
+from loadgen.workloads import build_plan, is_session_workload
 
 
 async def run_benchmark(
@@ -30,17 +31,28 @@ async def run_benchmark(
     api_key: str | None = None,
     show_progress: bool = True,
     counters: RunCounters | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> RunResult:
-    """``counters``: live counts for a caller that shows its own progress (a chaos run); fresh ones otherwise."""
+    """``counters``: live counts for a caller that shows its own progress (a chaos run); fresh ones otherwise.
+    ``announce``: told, before anything is sent, what the plan expects where a reader should know it first (the
+    prefix reuse a shared-prefix workload offers)."""
     slos = parse_slos(config.slo)  # fail on a bad SLO before sending anything
     arrivals = make_arrivals(
         config.arrival, num_requests=config.num_requests, duration_s=config.duration_s, seed=config.seed
     )
-    plan = build_plan(
-        arrivals, config.workload, input_len=config.input_len, output_len=config.output_len, seed=config.seed
-    )
-    if not plan:
+    lengths = {"input_len": config.input_len, "output_len": config.output_len, "seed": config.seed}
+    sessions = build_sessions(arrivals, config.workload, **lengths) if is_session_workload(config.workload) else None
+    plan = [] if sessions is not None else build_plan(arrivals, config.workload, **lengths)
+    if not arrivals:
         raise ValueError(f"{config.arrival!r} schedules no request within the run's bounds")
+    shareable = sum(planned.shared_prefix_tokens for planned in plan)
+    if announce is not None and shareable:
+        prompt_tokens = sum(len(planned.body["prompt"]) for planned in plan)
+        announce(
+            f"Prefix reuse the plan offers: {shareable} of its {prompt_tokens} prompt tokens "
+            f"({shareable / prompt_tokens:.1%}) repeat a prefix an earlier request sent (a server caches whole "
+            "blocks only, so it can serve a little less)"
+        )
     counters = counters or RunCounters()
     client = StreamingClient(
         config.base_url,
@@ -54,8 +66,11 @@ async def run_benchmark(
     )
     progress = LiveProgress(counters) if show_progress else contextlib.nullcontext()
     async with client, progress:
-        records, timing = await run_open_loop(plan, client, max_concurrency=config.max_concurrency)
-    summary = summarize(records, timing.duration_s, slos)
+        if sessions is not None:
+            records, timing = await run_sessions(sessions, client, max_concurrency=config.max_concurrency)
+        else:
+            records, timing = await run_open_loop(plan, client, max_concurrency=config.max_concurrency)
+    summary = summarize(records, timing.duration_s, slos, sessions.num_turns if sessions else None)
     notes = advisories(summary, records, exact_output=config.exact_output, max_concurrency=config.max_concurrency)
     series = []
     if prometheus_url:
@@ -98,9 +113,36 @@ def summary_markdown(result: RunResult) -> str:
             f"{getattr(stats, k) * 1e3:.1f}" if stats else "-" for k in ("mean", "p50", "p90", "p99", "max")
         )
         lines.append(f"| {metric.upper()} | {cells} |")
+    lines += _reuse_and_turn_lines(s)
     for slo_result in s.slos:
         observed = "-" if slo_result.observed_s is None else f"{slo_result.observed_s * 1e3:.1f} ms"
         verdict = "met" if slo_result.met else "**MISSED**"
         lines.append(f"\nSLO {slo_result.slo.name} <= {slo_result.slo.threshold_s * 1e3:g} ms: {observed}, {verdict}")
     lines += [f"\n> {note}" for note in result.advisories]
     return "\n".join(lines)
+
+
+def _reuse_and_turn_lines(s: Summary) -> list[str]:
+    lines = []
+    if s.sessions is not None:
+        n = s.sessions
+        lines.append(
+            f"\n{n.num_sessions} sessions of {n.num_turns} turns: {n.completed} completed, {n.cut_short} cut short "
+            "by a turn that did not end ok."
+        )
+    if s.prefix_reuse is not None:
+        reuse = s.prefix_reuse
+        measured = "not reported" if reuse.measured_fraction is None else f"{reuse.measured_fraction:.1%}"
+        lines.append(
+            f"\nPrefix reuse: {reuse.expected_fraction:.1%} of {reuse.prompt_tokens} prompt tokens could come from a "
+            f"prefix cache (the workload's count); the server says it served {measured}."
+        )
+    if s.turns:
+        lines += ["", "| turn | sent | ok | TTFT p50 ms | TTFT p99 ms | mean prompt tokens | cached tokens |"]
+        lines.append("|---|---|---|---|---|---|---|")
+        for turn in s.turns:
+            p50, p99 = ("-", "-") if turn.ttft is None else (f"{turn.ttft.p50 * 1e3:.1f}", f"{turn.ttft.p99 * 1e3:.1f}")
+            prompt = "-" if turn.mean_prompt_tokens is None else f"{turn.mean_prompt_tokens:.0f}"
+            cached = "-" if turn.cached_tokens is None else str(turn.cached_tokens)
+            lines.append(f"| {turn.turn} | {turn.num_sent} | {turn.num_ok} | {p50} | {p99} | {prompt} | {cached} |")
+    return lines

@@ -64,6 +64,12 @@ class StreamingClient:
             await self._session.close()
 
     async def send(self, planned: PlannedRequest, *, request_id: str, run_start_ts: float) -> RequestRecord:
+        return (await self.send_for_text(planned, request_id=request_id, run_start_ts=run_start_ts, keep_text=False))[0]
+
+    async def send_for_text(
+        self, planned: PlannedRequest, *, request_id: str, run_start_ts: float, keep_text: bool = True
+    ) -> tuple[RequestRecord, str]:
+        """The record and (``keep_text``) the streamed text: what a conversation sends back in its next turn."""
         if self._session is None:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = request_body(planned, self.model, exact_output=self.exact_output, extra_body=self.extra_body)
@@ -77,10 +83,12 @@ class StreamingClient:
             run_start_ts=run_start_ts,
             requested_output_tokens=planned.max_tokens,
             stall_timeout_s=self.stall_timeout_s,
+            collect_text=keep_text,
         )
         record = await self._stream(planned.path, body, request_id, tracker)
+        record.shared_prefix_tokens = planned.shared_prefix_tokens
         self.counters.finished(record)
-        return record
+        return record, tracker.text
 
     async def _stream(self, path: str, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)

@@ -1,5 +1,6 @@
-"""The server's side of the run from a Prometheus server: KV usage, running / waiting / swapped requests and the
-preemption rate, over the run's wall-clock window. vLLM's metric names, which kvstorm exports too."""
+"""The server's side of the run from a Prometheus server: KV usage, running / waiting / swapped requests, the preemption
+rate and the prefix cache's hit rate, over the run's wall-clock window. vLLM's metric names, which kvstorm exports
+too."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ QUERIES = {
     "waiting": "sum(vllm:num_requests_waiting)",
     "swapped": "sum(vllm:num_requests_swapped)",
     "preemptions/s": "sum(rate(vllm:num_preemptions_total[30s]))",
+    # Of the prompt tokens looked up at admission, the share found cached (no data while no prompt arrives).
+    "prefix cache hit rate": (
+        "sum(rate(vllm:prefix_cache_hits_total[30s])) / sum(rate(vllm:prefix_cache_queries_total[30s]))"
+    ),
 }
 
 

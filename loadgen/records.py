@@ -48,6 +48,14 @@ class RequestRecord(BaseModel):
     delivered_tokens: int = 0
     usage_completion_tokens: int | None = None
     requested_output_tokens: int = 0
+    # Prompt tokens the server says it served from its prefix cache (usage.prompt_tokens_details.cached_tokens),
+    # None when it did not say.
+    cached_tokens: int | None = None
+    # Leading prompt tokens an earlier request of the run sent first: the most a prefix cache could serve it.
+    shared_prefix_tokens: int = 0
+    # A multi-turn workload's session (in order of arrival) and turn (from 1); None for a single request.
+    session: int | None = None
+    turn: int | None = None
 
     @computed_field
     @property

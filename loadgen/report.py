@@ -28,12 +28,12 @@ OUTCOME_COLORS = {
 }
 PERCENTILE_DASH = {"p50": "solid", "p90": "dash", "p99": "dot"}
 LATENCY_ROWS = (("ttft", "TTFT ms"), ("tpot", "TPOT ms"), ("itl", "ITL ms"), ("e2e", "E2E ms"))
-SERVER_ROWS = (("KV cache usage",), ("running", "waiting", "swapped"), ("preemptions/s",))
+SERVER_ROWS = (("KV cache usage", "prefix cache hit rate"), ("running", "waiting", "swapped"), ("preemptions/s",))
 # The rows of each run in a stacked report, and the server series a row needs (none: the load's own).
 STACKED_ROWS = (
     ("outcomes per bucket", ()),
     ("TTFT / ITL ms", ()),
-    ("KV cache usage", ("KV cache usage",)),
+    ("KV cache usage / prefix cache hit rate", ("KV cache usage", "prefix cache hit rate")),
     ("running / waiting / swapped", ("running", "waiting", "swapped")),
     ("preemptions/s", ("preemptions/s",)),
 )
@@ -42,6 +42,7 @@ STACKED_COLORS = {
     "ttft": "#1f77b4",
     "itl": "#ff7f0e",
     "KV cache usage": "#9467bd",
+    "prefix cache hit rate": "#bcbd22",
     "running": "#2ca02c",
     "waiting": "#d62728",
     "swapped": "#8c564b",

@@ -34,44 +34,65 @@ class RunTiming:
     duration_s: float
 
 
+class RunContext:
+    """What every request of one run shares: its id, its zero, and the client-side concurrency cap."""
+
+    def __init__(self, client: StreamingClient, max_concurrency: int | None) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
+        self.client = client
+        self.run_id = uuid.uuid4().hex[:8]
+        self.start_ts = time.perf_counter() + START_DELAY_S
+        self.start_unix = time.time() + START_DELAY_S
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def send(self, planned: PlannedRequest, keep_text: bool = False) -> tuple[RequestRecord, str]:
+        # Sent as X-Request-Id, so UUID-shaped (the run, then the request's index in hex): some servers refuse
+        # any other shape with a 400 (llama-cpp-python's, through starlette-context).
+        request_id = f"{self.run_id}-0000-4000-8000-{planned.index:012x}"
+        if self._slots is None:
+            return await self.client.send_for_text(
+                planned, request_id=request_id, run_start_ts=self.start_ts, keep_text=keep_text
+            )
+        async with self._slots:
+            return await self.client.send_for_text(
+                planned, request_id=request_id, run_start_ts=self.start_ts, keep_text=keep_text
+            )
+
+
 async def run_open_loop(
     plan: list[PlannedRequest], client: StreamingClient, *, max_concurrency: int | None = None
 ) -> tuple[list[RequestRecord], RunTiming]:
-    if max_concurrency is not None and max_concurrency < 1:
-        raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
-    run_id = uuid.uuid4().hex[:8]
-    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    client.counters.total = len(plan)
-    start_ts = time.perf_counter() + START_DELAY_S
-    start_unix = time.time() + START_DELAY_S
+    async def one(index: int, context: RunContext) -> list[RequestRecord]:
+        return [(await context.send(plan[index]))[0]]
 
-    async def one(planned: PlannedRequest) -> RequestRecord:
-        # Sent as X-Request-Id, so UUID-shaped (the run, then the request's index in hex): some servers refuse
-        # any other shape with a 400 (llama-cpp-python's, through starlette-context).
-        request_id = f"{run_id}-0000-4000-8000-{planned.index:012x}"
-        if slots is None:
-            return await client.send(planned, request_id=request_id, run_start_ts=start_ts)
-        async with slots:
-            return await client.send(planned, request_id=request_id, run_start_ts=start_ts)
+    return await run_at_offsets([p.offset_s for p in plan], one, client, len(plan), max_concurrency)
 
+
+async def run_at_offsets(
+    offsets_s: list[float],
+    start: Callable[[int, RunContext], Awaitable[list[RequestRecord]]],
+    client: StreamingClient,
+    num_requests: int,
+    max_concurrency: int | None,
+) -> tuple[list[RequestRecord], RunTiming]:
+    """Start ``start(i, context)`` as its own task at offset ``offsets_s[i]`` from the run's start, never waiting
+    for an earlier one; every record they return, in index order. ``num_requests``: how many requests the run
+    plans (what progress counts towards)."""
+    context = RunContext(client, max_concurrency)
+    client.counters.total = num_requests
     # Objects alive now (a test session, numpy, pydantic...) go to the permanent generation: a full collection would
     # otherwise scan them all and pause the loop for tens of milliseconds in the middle of a stream.
     gc.freeze()
     try:
-        records = await _dispatch(plan, one, start_ts)
+        tasks = []
+        for index, offset_s in enumerate(offsets_s):
+            delay_s = context.start_ts + offset_s - time.perf_counter()
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            tasks.append(asyncio.create_task(start(index, context)))
+        records = sorted((r for batch in await asyncio.gather(*tasks) for r in batch), key=lambda r: r.index)
     finally:
         gc.unfreeze()
-    duration_s = time.perf_counter() - start_ts
-    return records, RunTiming(run_id, start_ts, start_unix, duration_s)
-
-
-async def _dispatch(
-    plan: list[PlannedRequest], one: Callable[[PlannedRequest], Awaitable[RequestRecord]], start_ts: float
-) -> list[RequestRecord]:
-    tasks = []
-    for planned in plan:
-        delay_s = start_ts + planned.offset_s - time.perf_counter()
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
-        tasks.append(asyncio.create_task(one(planned)))
-    return list(await asyncio.gather(*tasks))
+    duration_s = time.perf_counter() - context.start_ts
+    return records, RunTiming(context.run_id, context.start_ts, context.start_unix, duration_s)

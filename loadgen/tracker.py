@@ -36,6 +36,7 @@ class StreamTracker:
         run_start_ts: float,
         requested_output_tokens: int,
         stall_timeout_s: float | None = None,
+        collect_text: bool = False,
     ) -> None:
         self.index, self.request_id, self.scheduled_s = index, request_id, scheduled_s
         self.sent_ts, self.run_start_ts = sent_ts, run_start_ts
@@ -49,6 +50,12 @@ class StreamTracker:
         self.problems: list[str] = []
         self._parser = SseParser()
         self._empty_finish_ts: float | None = None
+        # The streamed text, for a caller that sends it back (the next turn of a conversation).
+        self._text_parts: list[str] | None = [] if collect_text else None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts or ())
 
     @property
     def last_token_ts(self) -> float | None:
@@ -93,6 +100,8 @@ class StreamTracker:
             if self.finish_reason is not None:
                 self._problem("token chunk after the finish reason")
             self.token_ts.append(now_ts)
+        if isinstance(text, str) and self._text_parts is not None:
+            self._text_parts.append(text)
         if reason is not None:
             if self.finish_reason is not None:
                 self._problem("second finish reason")
@@ -132,6 +141,7 @@ class StreamTracker:
             delivered_tokens=delivered,
             usage_completion_tokens=usage_tokens,
             requested_output_tokens=self.requested_output_tokens,
+            cached_tokens=((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
         )
 
     def _end_of_stream_problems(self) -> list[str]:

@@ -9,6 +9,16 @@ Specs (``--workload``)::
                                    server's usage.prompt_tokens is what the results record)
     jsonl:path=prompts.jsonl       one object per line: {"prompt": str | [int]} (completions) or
                                    {"messages": [...]} (chat), optionally "max_tokens"
+    shared-prefix:num_prefixes=4,prefix_len=512[,low=1000,high=30000]
+                                   completions of random token ids: one of ``num_prefixes`` fixed prefixes of
+                                   ``prefix_len`` tokens (picked at random), then ``--input-len`` tokens of its own;
+                                   every request after the first of its prefix could be served that prefix from a
+                                   prefix cache (the results say how much the server reports it did)
+    multiturn:turns=6,system_len=1000[,think_s=0]
+                                   chat sessions (``loadgen.sessions``): each arrival starts a session, whose turn k
+                                   sends the system prompt (shared by every session), the conversation so far with
+                                   the answers as they streamed, and a new user message of ``--input-len`` tokens;
+                                   the next turn leaves ``think_s`` after the answer ends
 
 Lengths (``--input-len``, ``--output-len``): ``fixed:128``, ``uniform:64-512``, ``normal:mean=256,std=64``,
 ``lognormal:median=256,sigma=0.5``. Samples are rounded and clipped to at least 1.
@@ -30,7 +40,7 @@ from loadgen.spec import Spec, parse_spec
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_PATH = "/v1/chat/completions"
-WORKLOAD_KINDS = {"random", "chat", "jsonl"}
+WORKLOAD_KINDS = {"random", "chat", "jsonl", "shared-prefix", "multiturn"}
 LENGTH_KINDS = {"fixed", "uniform", "normal", "lognormal"}
 WORDS_PER_TOKEN = 0.75
 
@@ -44,6 +54,9 @@ class PlannedRequest:
     path: str
     body: dict[str, Any]
     max_tokens: int
+    # Leading prompt tokens an earlier request of the run sent first: the most a prefix cache can serve it (0 when
+    # the workload shares nothing, or cannot count tokens).
+    shared_prefix_tokens: int = 0
 
 
 def request_body(
@@ -115,42 +128,69 @@ def _bare_int(spec: Spec) -> int:
     return value
 
 
+def is_session_workload(workload: str) -> bool:
+    """Whether the workload is conversations (``loadgen.sessions`` plans and runs them), not single requests."""
+    return parse_spec(workload, WORKLOAD_KINDS).kind == "multiturn"
+
+
 def build_plan(
     arrivals: list[Arrival], workload: str, *, input_len: str, output_len: str, seed: int = 0
 ) -> list[PlannedRequest]:
     """Pair each arrival with a prompt and an output length; a trace's own lengths win over the distributions."""
     spec = parse_spec(workload, WORKLOAD_KINDS)
+    if spec.kind == "multiturn":
+        raise ValueError(f"{workload!r} is a session workload: plan it with loadgen.sessions.build_sessions")
     rng = np.random.default_rng(seed + 1)
     prompt_lens = sample_lengths(input_len, len(arrivals), rng)
     output_lens = sample_lengths(output_len, len(arrivals), rng)
     jsonl_items = _read_jsonl(spec) if spec.kind == "jsonl" else []
-    sentences = _corpus_sentences() if spec.kind == "chat" else []
-    if spec.kind == "random":
-        spec.check_keys({"low", "high"})
-        low, high = spec.get_int("low", 1000, minimum=0), spec.get_int("high", 30000, minimum=1)
-        if low >= high:
-            raise ValueError(f"{workload!r}: need low < high")
+    sentences = corpus_sentences() if spec.kind == "chat" else []
+    if spec.kind in ("random", "shared-prefix"):
+        low, high = _token_id_range(spec)
+    prefixes = _shared_prefixes(spec, rng, low, high) if spec.kind == "shared-prefix" else []
+    prefixes_sent: set[int] = set()
     plan = []
     for index, arrival in enumerate(arrivals):
         prompt_len = arrival.prompt_len or int(prompt_lens[index])
         max_tokens = arrival.output_len or int(output_lens[index])
+        shared = 0
         if spec.kind == "random":
             path, body = COMPLETIONS_PATH, {"prompt": rng.integers(low, high, size=prompt_len).tolist()}
+        elif spec.kind == "shared-prefix":
+            choice = int(rng.integers(len(prefixes)))
+            suffix = rng.integers(low, high, size=prompt_len).tolist()
+            path, body = COMPLETIONS_PATH, {"prompt": prefixes[choice] + suffix}
+            shared = len(prefixes[choice]) if choice in prefixes_sent else 0
+            prefixes_sent.add(choice)
         elif spec.kind == "chat":
-            text = _corpus_text(sentences, prompt_len, rng)
+            text = corpus_text(sentences, prompt_len, rng)
             path, body = CHAT_PATH, {"messages": [{"role": "user", "content": text}]}
         else:
             path, body, max_tokens = _jsonl_request(jsonl_items[index % len(jsonl_items)], max_tokens, spec)
-        plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens))
+        plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens, shared))
     return plan
 
 
-def _corpus_sentences() -> list[str]:
+def _token_id_range(spec: Spec) -> tuple[int, int]:
+    spec.check_keys({"low", "high"} | ({"num_prefixes", "prefix_len"} if spec.kind == "shared-prefix" else set()))
+    low, high = spec.get_int("low", 1000, minimum=0), spec.get_int("high", 30000, minimum=1)
+    if low >= high:
+        raise ValueError(f"{spec.text!r}: need low < high")
+    return low, high
+
+
+def _shared_prefixes(spec: Spec, rng: np.random.Generator, low: int, high: int) -> list[list[int]]:
+    num_prefixes = spec.get_int("num_prefixes", minimum=1)
+    prefix_len = spec.get_int("prefix_len", minimum=1)
+    return [rng.integers(low, high, size=prefix_len).tolist() for _ in range(num_prefixes)]
+
+
+def corpus_sentences() -> list[str]:
     text = resources.files("loadgen").joinpath("corpus.txt").read_text(encoding="utf-8")
     return [sentence for sentence in re.split(r"(?<=[.!?])\s+", text) if sentence]
 
 
-def _corpus_text(sentences: list[str], prompt_len: int, rng: np.random.Generator) -> str:
+def corpus_text(sentences: list[str], prompt_len: int, rng: np.random.Generator) -> str:
     """About ``prompt_len`` tokens of consecutive corpus sentences from a random start, wrapping around."""
     num_words = max(1, round(prompt_len * WORDS_PER_TOKEN))
     words: list[str] = []

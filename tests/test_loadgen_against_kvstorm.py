@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import requests
 
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 from tests.engine.serving.conftest import make_engine, metric_value, running_server
-from tests.loadgen.conftest import run_bench_serve
+from tests.loadgen.conftest import run_bench_serve, run_bench_serve_with_output
 
 OUTPUT_TOKENS = 6
 
@@ -35,3 +37,73 @@ def test_bench_serve_streams_exact_outputs_from_kvstorm(real_model, real_tokeniz
         metrics = requests.get(server.url + "/metrics", timeout=10).text
         assert metric_value(metrics, "vllm:request_success_total", finished_reason="length") == 20
         assert metric_value(metrics, "vllm:generation_tokens_total") == 20 * OUTPUT_TOKENS
+
+
+def test_multiturn_sessions_send_the_conversation_back_and_the_prefix_cache_serves_it(
+    real_model, real_tokenizer, tmp_path
+):
+    """Three sessions of three turns: each turn's prompt holds the previous turn's prompt and streamed answer (its
+    prompt grows by more than the answer), leaves after that answer, and is served mostly from kvstorm's prefix
+    cache; per-turn results and session counts come out."""
+    with running_server(make_engine(real_model, real_tokenizer, max_num_seqs=8)) as server:
+        json_path = run_bench_serve(
+            server.url, tmp_path,
+            "--model", "smollm2-135m", "--workload", "multiturn:turns=3,system_len=60", "--input-len", "fixed:8",
+            "--output-len", "fixed:4", "--arrival", "poisson:rate=5", "--num-requests", "3",
+            "--extra-body", '{"temperature": 0}', "--request-timeout", "60s",
+        )  # fmt: skip
+    result = RunResult.read(json_path)
+    assert [(r.session, r.turn) for r in result.records] == [(s, t) for s in range(3) for t in (1, 2, 3)]
+    assert all(r.outcome is Outcome.OK for r in result.records), [r.error for r in result.records]
+    for session in range(3):
+        turns = [r for r in result.records if r.session == session]
+        for before, after in itertools.pairwise(turns):
+            assert after.scheduled_s >= before.end_s
+            assert after.prompt_tokens > before.prompt_tokens + before.output_tokens
+            assert after.shared_prefix_tokens == before.prompt_tokens + before.output_tokens
+            assert after.cached_tokens >= (before.prompt_tokens + before.output_tokens) // 16 * 16 - 16
+    summary = result.summary
+    assert summary.sessions.model_dump() == {"num_sessions": 3, "num_turns": 3, "completed": 3, "cut_short": 0}
+    assert [(t.turn, t.num_sent, t.num_ok) for t in summary.turns] == [(1, 3, 3), (2, 3, 3), (3, 3, 3)]
+    assert summary.prefix_reuse.measured_fraction > 0.5
+
+
+def test_a_turn_the_server_refuses_ends_its_session(real_model, real_tokenizer, tmp_path):
+    """A context so short that every session's third turn is refused (HTTP 400): no session sends a fourth."""
+    args = (
+        "--model", "smollm2-135m", "--workload", "multiturn:turns=4,system_len=60", "--input-len", "fixed:8",
+        "--output-len", "fixed:4", "--arrival", "poisson:rate=5", "--num-requests", "2",
+        "--extra-body", '{"temperature": 0}', "--request-timeout", "60s",
+    )  # fmt: skip
+    with running_server(make_engine(real_model, real_tokenizer)) as server:
+        full = RunResult.read(run_bench_serve(server.url, tmp_path / "full", *args))
+    second_turns = [r.prompt_tokens + r.output_tokens for r in full.records if r.turn == 2]
+    with running_server(make_engine(real_model, real_tokenizer, max_model_len=max(second_turns))) as server:
+        short = RunResult.read(run_bench_serve(server.url, tmp_path / "short", *args))
+    assert [(r.turn, r.outcome, r.http_status) for r in short.records if r.session == 0] == [
+        (1, Outcome.OK, 200),
+        (2, Outcome.OK, 200),
+        (3, Outcome.REJECTED, 400),
+    ]
+    assert short.summary.sessions.model_dump() == {"num_sessions": 2, "num_turns": 4, "completed": 0, "cut_short": 2}
+
+
+def test_a_shared_prefix_workload_says_what_reuse_it_offers_and_what_the_server_served(
+    real_model, real_tokenizer, tmp_path
+):
+    with running_server(make_engine(real_model, real_tokenizer, max_num_seqs=8)) as server:
+        json_path, printed = run_bench_serve_with_output(
+            server.url, tmp_path,
+            "--model", "smollm2-135m", "--workload", "shared-prefix:num_prefixes=2,prefix_len=64",
+            "--input-len", "fixed:16", "--output-len", "fixed:2", "--arrival", "constant:rate=4",
+            "--num-requests", "8", "--request-timeout", "60s",
+        )  # fmt: skip
+    result = RunResult.read(json_path)
+    reuse = result.summary.prefix_reuse
+    assert reuse.prompt_tokens == 8 * 80
+    assert reuse.shareable_tokens == 6 * 64  # every request but the first of each prefix
+    assert f"{reuse.shareable_tokens} of its {reuse.prompt_tokens} prompt tokens" in printed
+    # One request at a time: each after the first of its prefix finds its 4 blocks of 16 cached.
+    assert reuse.cached_tokens == reuse.shareable_tokens
+    assert f"Prefix reuse: {reuse.shareable_tokens / reuse.prompt_tokens:.1%} of 640 prompt tokens" in printed
+    assert "the server says it served 60.0%" in printed

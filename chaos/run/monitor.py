@@ -1,5 +1,6 @@
 """The server's side of a load without a Prometheus server: ``/metrics`` scraped every second while the load runs,
-as the same series the load report draws from Prometheus (KV usage, running / waiting / swapped, preemptions/s)."""
+as the same series the load report draws from Prometheus (KV usage, running / waiting / swapped, preemptions/s, the
+prefix cache's hit rate)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,19 @@ class MetricsMonitor:
         if not self.samples:
             return []
         occupancies = [(s.unix_s, KVOccupancy.of(s)) for s in self.samples]
+        pairs = list(zip(self.samples, self.samples[1:], strict=False))
         preemption_rates = [
             (
                 after.unix_s,
-                (after.total("vllm:num_preemptions_total") - before.total("vllm:num_preemptions_total"))
-                / max(after.unix_s - before.unix_s, 1e-9),
+                _increase(before, after, "vllm:num_preemptions_total") / max(after.unix_s - before.unix_s, 1e-9),
             )
-            for before, after in zip(self.samples, self.samples[1:], strict=False)
+            for before, after in pairs
+        ]
+        # A point for each interval in which prompts were looked up (none while no prompt arrives).
+        hit_rates = [
+            (after.unix_s, _increase(before, after, "vllm:prefix_cache_hits_total") / queried)
+            for before, after in pairs
+            if (queried := _increase(before, after, "vllm:prefix_cache_queries_total")) > 0
         ]
         return [
             PromSeries(name="KV cache usage", query=SOURCE, points=[(t, o.device_usage) for t, o in occupancies]),
@@ -55,4 +62,9 @@ class MetricsMonitor:
             PromSeries(name="waiting", query=SOURCE, points=[(t, o.waiting) for t, o in occupancies]),
             PromSeries(name="swapped", query=SOURCE, points=[(t, o.swapped) for t, o in occupancies]),
             PromSeries(name="preemptions/s", query=SOURCE, points=preemption_rates),
+            PromSeries(name="prefix cache hit rate", query=SOURCE, points=hit_rates),
         ]
+
+
+def _increase(before: MetricsSample, after: MetricsSample, counter: str) -> float:
+    return after.total(counter) - before.total(counter)

@@ -40,11 +40,18 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     )
     parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000 (routes /v1/...)")
     parser.add_argument("--model", required=True, help="the model name the server expects")
-    parser.add_argument("--workload", default="random", help="random[:low=,high=], chat, jsonl:path=FILE")
+    parser.add_argument(
+        "--workload",
+        default="random",
+        help="random[:low=,high=], chat, jsonl:path=FILE, shared-prefix:num_prefixes=,prefix_len=, "
+        "multiturn:turns=,system_len=[,think_s=] (see above)",
+    )
     parser.add_argument("--input-len", default="fixed:128", help="prompt length distribution (tokens)")
     parser.add_argument("--output-len", default="fixed:128", help="output length distribution (max_tokens)")
     parser.add_argument("--arrival", default="poisson:rate=4", help="arrival process (see above)")
-    parser.add_argument("--num-requests", type=int, default=None, help="stop scheduling after this many")
+    parser.add_argument(
+        "--num-requests", type=int, default=None, help="stop scheduling after this many (sessions, for multiturn)"
+    )
     parser.add_argument("--duration", type=_duration, default=None, help="stop scheduling after this long (60s)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="client-side cap (reported as such)")
     parser.add_argument("--request-timeout", type=_duration, default=600.0, help="whole-request limit")
@@ -136,6 +143,7 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
             extra_body=args.extra_body,
             api_key=args.api_key,
             show_progress=not args.no_progress,
+            announce=print,
         )
     )
     stem = f"serve-{time.strftime('%Y%m%d-%H%M%S', time.localtime(result.start_unix))}-{result.run_id}"

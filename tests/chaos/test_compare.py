@@ -198,7 +198,7 @@ def test_the_stacked_timeline_stacks_every_target_on_one_time_axis(tmp_path):
         "undefended: TTFT / ITL ms",
         "defaults: outcomes per bucket",
         "defaults: TTFT / ITL ms",
-        "defaults: KV cache usage",  # only the run whose server series were scraped
+        "defaults: KV cache usage / prefix cache hit rate",  # only the run whose server series were scraped
     ]
     axes = [fig.layout[name] for name in fig.layout if name.startswith("xaxis")]
     assert len(axes) == 5

@@ -29,6 +29,13 @@ def scripted_server(*args: str):
 
 def run_bench_serve(base_url: str, results_dir: Path, *args: str, timeout_s: float = 120) -> Path:
     """``kvstorm bench serve`` as a user runs it (its own process); returns the results JSON it wrote."""
+    return run_bench_serve_with_output(base_url, results_dir, *args, timeout_s=timeout_s)[0]
+
+
+def run_bench_serve_with_output(
+    base_url: str, results_dir: Path, *args: str, timeout_s: float = 120
+) -> tuple[Path, str]:
+    """The same, and what it printed."""
     command = [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "serve", "--base-url", base_url, "--model", "m"]
     result = subprocess.run(
         [*command, "--results-dir", str(results_dir), "--no-progress", *args],
@@ -42,4 +49,4 @@ def run_bench_serve(base_url: str, results_dir: Path, *args: str, timeout_s: flo
     )
     assert result.returncode == 0, result.stderr
     (json_path,) = results_dir.glob("*.json")
-    return json_path
+    return json_path, result.stdout

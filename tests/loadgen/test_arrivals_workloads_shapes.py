@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from loadgen.arrivals import _renewal, make_arrivals, scale_rates
+from loadgen.sessions import build_sessions
 from loadgen.shapes import make_shape
 from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, mean_length, request_body, sample_lengths
 
@@ -146,6 +147,37 @@ def test_chat_workload_builds_prompts_of_about_the_length_from_the_shipped_corpu
         assert message["role"] == "user"
         assert len(message["content"].split()) == 300  # 0.75 words per token
     assert len({p.body["messages"][0]["content"] for p in plan}) > 1
+
+
+def test_shared_prefix_workload_repeats_its_prefixes_and_counts_what_an_earlier_request_sent():
+    arrivals = make_arrivals("constant:rate=1", num_requests=30, duration_s=None)
+    spec = "shared-prefix:num_prefixes=3,prefix_len=40,low=100,high=200"
+    plan = build_plan(arrivals, spec, input_len="fixed:10", output_len="fixed:8")
+    assert plan == build_plan(arrivals, spec, input_len="fixed:10", output_len="fixed:8")  # seeded
+    prefixes = [tuple(p.body["prompt"][:40]) for p in plan]
+    assert len(set(prefixes)) == 3
+    for index, planned in enumerate(plan):
+        first_of_its_prefix = prefixes.index(prefixes[index]) == index
+        assert planned.shared_prefix_tokens == (0 if first_of_its_prefix else 40)
+        assert len(planned.body["prompt"]) == 50
+    with pytest.raises(ValueError, match="missing num_prefixes"):
+        build_plan(arrivals, "shared-prefix:prefix_len=40", input_len="fixed:10", output_len="fixed:8")
+
+
+def test_multiturn_sessions_are_planned_per_arrival_and_refuse_the_single_request_planner():
+    arrivals = make_arrivals("constant:rate=1", num_requests=4, duration_s=None)
+    plan = build_sessions(
+        arrivals, "multiturn:turns=3,system_len=20,think_s=2s", input_len="fixed:8", output_len="fixed:5"
+    )
+    assert (plan.num_turns, plan.think_s, plan.num_requests) == (3, 2.0, 12)
+    assert len(plan.system_prompt.split()) == 15
+    assert [len(s.user_messages) for s in plan.sessions] == [3] * 4
+    assert {s.max_tokens for s in plan.sessions} == {(5, 5, 5)}
+    assert [s.offset_s for s in plan.sessions] == [a.offset_s for a in arrivals]
+    with pytest.raises(ValueError, match=r"turns=0\.0 must be >= 1"):
+        build_sessions(arrivals, "multiturn:turns=0", input_len="fixed:8", output_len="fixed:5")
+    with pytest.raises(ValueError, match="session workload"):
+        build_plan(arrivals, "multiturn:turns=2", input_len="fixed:8", output_len="fixed:5")
 
 
 def test_jsonl_workload(tmp_path):

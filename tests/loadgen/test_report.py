@@ -78,9 +78,15 @@ def test_results_json_and_html_report(tmp_path):
     assert result.summary.outcomes[Outcome.BROKEN_STREAM] == 4  # orders 7, 13, 21, 33
     assert [slo.met for slo in result.summary.slos] == [True, True]
     # Prometheus: every query over the run's wall-clock window; the empty one is a note, not an error.
-    assert len(queries) == 5
+    assert len(queries) == 6
     assert all(float(q["start"]) == round(result.start_unix, 3) for q in queries)
-    assert [series.name for series in result.prometheus] == ["KV cache usage", "running", "waiting", "preemptions/s"]
+    assert [series.name for series in result.prometheus] == [
+        "KV cache usage",
+        "running",
+        "waiting",
+        "preemptions/s",
+        "prefix cache hit rate",
+    ]
     assert any("vllm:num_requests_swapped" in note and "no data" in note for note in result.advisories)
 
     json_path = tmp_path / "run.json"
@@ -93,7 +99,15 @@ def test_results_json_and_html_report(tmp_path):
     assert not re.search(r"<script[^>]+src=", html)  # self-contained: plotly.js is inlined
     assert "Plotly.newPlot" in html
     # plotly escapes "/" in its JSON
-    for text in ("kill -9 engine", "KV cache usage", "preemptions\\u002fs", "broken_stream", "TTFT ms", "e2e_p50"):
+    for text in (
+        "kill -9 engine",
+        "KV cache usage",
+        "prefix cache hit rate",
+        "preemptions\\u002fs",
+        "broken_stream",
+        "TTFT ms",
+        "e2e_p50",
+    ):
         assert text in html, text
     markdown = summary_markdown(result)
     assert "broken_stream 4" in markdown

@@ -1,0 +1,115 @@
+"""Multi-turn chat sessions: ``--workload multiturn:turns=6,system_len=1000[,think_s=0]``.
+
+Open loop across sessions, closed loop inside one. Each arrival of the arrival process starts a session at its
+scheduled time, whatever the others are doing. Inside a session, turn k+1 leaves ``think_s`` after turn k's answer
+ended, and sends the whole conversation so far: the system prompt (of about ``system_len`` tokens, the same for
+every session), each earlier user message with the answer as it streamed, and a new user message of
+``--input-len`` tokens; each answer asks for ``--output-len`` tokens. A turn that does not end ok ends its session:
+its later turns are never sent, and the results count the session as cut short. A turn's ``scheduled_s`` is when
+it was meant to leave (the arrival, or the answer's end plus the think time), and its latencies count from when it
+left (``sent_s``), as for every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadgen.arrivals import Arrival
+from loadgen.client import StreamingClient
+from loadgen.records import Outcome, RequestRecord
+from loadgen.runner import RunContext, RunTiming, run_at_offsets
+from loadgen.spec import parse_spec
+from loadgen.workloads import CHAT_PATH, PlannedRequest, corpus_sentences, corpus_text, sample_lengths
+
+
+@dataclass(frozen=True)
+class PlannedSession:
+    index: int
+    offset_s: float
+    user_messages: tuple[str, ...]
+    max_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    system_prompt: str
+    think_s: float
+    num_turns: int
+    sessions: list[PlannedSession]
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the plan sends if no session is cut short."""
+        return len(self.sessions) * self.num_turns
+
+
+def build_sessions(
+    arrivals: list[Arrival], workload: str, *, input_len: str, output_len: str, seed: int = 0
+) -> SessionPlan:
+    """Every session's user messages and answer lengths, decided before the run (the answers are the server's)."""
+    spec = parse_spec(workload, {"multiturn"})
+    spec.check_keys({"turns", "system_len", "think_s"})
+    num_turns = spec.get_int("turns", minimum=1)
+    system_len = spec.get_int("system_len", 0, minimum=0)
+    think_s = spec.get_float("think_s", 0.0, minimum=0)
+    rng = np.random.default_rng(seed + 1)
+    sentences = corpus_sentences()
+    system_prompt = corpus_text(sentences, system_len, rng) if system_len else ""
+    user_lens = sample_lengths(input_len, len(arrivals) * num_turns, rng).reshape(-1, num_turns)
+    output_lens = sample_lengths(output_len, len(arrivals) * num_turns, rng).reshape(-1, num_turns)
+    sessions = [
+        PlannedSession(
+            index,
+            arrival.offset_s,
+            tuple(corpus_text(sentences, int(length), rng) for length in user_lens[index]),
+            tuple(int(length) for length in output_lens[index]),
+        )
+        for index, arrival in enumerate(arrivals)
+    ]
+    return SessionPlan(system_prompt, think_s, num_turns, sessions)
+
+
+async def run_sessions(
+    plan: SessionPlan, client: StreamingClient, *, max_concurrency: int | None = None
+) -> tuple[list[RequestRecord], RunTiming]:
+    """Every session from its arrival, each turn after the previous answer; the records of the turns sent."""
+
+    async def session(index: int, context: RunContext) -> list[RequestRecord]:
+        return await _run_session(plan, plan.sessions[index], context)
+
+    offsets = [s.offset_s for s in plan.sessions]
+    return await run_at_offsets(offsets, session, client, plan.num_requests, max_concurrency)
+
+
+async def _run_session(plan: SessionPlan, planned: PlannedSession, context: RunContext) -> list[RequestRecord]:
+    messages = [{"role": "system", "content": plan.system_prompt}] if plan.system_prompt else []
+    records: list[RequestRecord] = []
+    scheduled_s = planned.offset_s
+    for turn, (user_message, max_tokens) in enumerate(zip(planned.user_messages, planned.max_tokens, strict=True)):
+        delay_s = context.start_ts + scheduled_s - time.perf_counter()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        messages.append({"role": "user", "content": user_message})
+        previous = records[-1] if records else None
+        request = PlannedRequest(
+            index=planned.index * plan.num_turns + turn,
+            offset_s=scheduled_s,
+            path=CHAT_PATH,
+            body={"messages": list(messages)},
+            max_tokens=max_tokens,
+            # The previous turn's prompt and answer come first in this one (the system prompt, which other sessions
+            # share too, is not counted).
+            shared_prefix_tokens=(previous.prompt_tokens or 0) + previous.output_tokens if previous else 0,
+        )
+        record, answer = await context.send(request, keep_text=True)
+        record.session, record.turn = planned.index, turn + 1
+        records.append(record)
+        if record.outcome is not Outcome.OK:
+            break
+        messages.append({"role": "assistant", "content": answer})
+        scheduled_s = record.end_s + plan.think_s
+    return records
