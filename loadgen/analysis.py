@@ -80,6 +80,13 @@ class PrefixReuse(BaseModel):
     def measured_fraction(self) -> float | None:
         return None if self.cached_tokens is None or not self.prompt_tokens else self.cached_tokens / self.prompt_tokens
 
+    def describe(self) -> str:
+        measured = "not reported" if self.measured_fraction is None else f"{self.measured_fraction:.1%}"
+        return (
+            f"Prefix reuse: {self.expected_fraction:.1%} of {self.prompt_tokens} prompt tokens could come from a "
+            f"prefix cache (the workload's count); the server says it served {measured}."
+        )
+
 
 class TurnStats(BaseModel):
     """One turn index of a multi-turn run, over its sessions' requests that reached it."""
@@ -91,6 +98,16 @@ class TurnStats(BaseModel):
     mean_prompt_tokens: float | None
     cached_tokens: int | None
 
+    def cells(self) -> tuple[str, ...]:
+        """A row under ``TURN_COLUMNS``."""
+        p50, p99 = ("-", "-") if self.ttft is None else (f"{self.ttft.p50 * 1e3:.1f}", f"{self.ttft.p99 * 1e3:.1f}")
+        prompt = "-" if self.mean_prompt_tokens is None else f"{self.mean_prompt_tokens:.0f}"
+        cached = "-" if self.cached_tokens is None else str(self.cached_tokens)
+        return str(self.turn), str(self.num_sent), str(self.num_ok), p50, p99, prompt, cached
+
+
+TURN_COLUMNS = ("turn", "sent", "ok", "TTFT p50 ms", "TTFT p99 ms", "mean prompt tokens", "cached tokens")
+
 
 class SessionCounts(BaseModel):
     """Sessions of a multi-turn run: all started at their arrival; completed ones got every turn answered ok, the
@@ -100,6 +117,12 @@ class SessionCounts(BaseModel):
     num_turns: int
     completed: int
     cut_short: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_sessions} sessions of {self.num_turns} turns: {self.completed} completed, {self.cut_short} cut "
+            "short by a turn that did not end ok."
+        )
 
 
 class Summary(BaseModel):

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
-from loadgen.analysis import Summary, advisories, parse_slos, summarize
+from loadgen.analysis import TURN_COLUMNS, Summary, advisories, parse_slos, summarize
 from loadgen.arrivals import make_arrivals
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
@@ -123,26 +123,8 @@ def summary_markdown(result: RunResult) -> str:
 
 
 def _reuse_and_turn_lines(s: Summary) -> list[str]:
-    lines = []
-    if s.sessions is not None:
-        n = s.sessions
-        lines.append(
-            f"\n{n.num_sessions} sessions of {n.num_turns} turns: {n.completed} completed, {n.cut_short} cut short "
-            "by a turn that did not end ok."
-        )
-    if s.prefix_reuse is not None:
-        reuse = s.prefix_reuse
-        measured = "not reported" if reuse.measured_fraction is None else f"{reuse.measured_fraction:.1%}"
-        lines.append(
-            f"\nPrefix reuse: {reuse.expected_fraction:.1%} of {reuse.prompt_tokens} prompt tokens could come from a "
-            f"prefix cache (the workload's count); the server says it served {measured}."
-        )
+    lines = [f"\n{part.describe()}" for part in (s.sessions, s.prefix_reuse) if part is not None]
     if s.turns:
-        lines += ["", "| turn | sent | ok | TTFT p50 ms | TTFT p99 ms | mean prompt tokens | cached tokens |"]
-        lines.append("|---|---|---|---|---|---|---|")
-        for turn in s.turns:
-            p50, p99 = ("-", "-") if turn.ttft is None else (f"{turn.ttft.p50 * 1e3:.1f}", f"{turn.ttft.p99 * 1e3:.1f}")
-            prompt = "-" if turn.mean_prompt_tokens is None else f"{turn.mean_prompt_tokens:.0f}"
-            cached = "-" if turn.cached_tokens is None else str(turn.cached_tokens)
-            lines.append(f"| {turn.turn} | {turn.num_sent} | {turn.num_ok} | {p50} | {p99} | {prompt} | {cached} |")
+        lines += ["", "| " + " | ".join(TURN_COLUMNS) + " |", "|" + "---|" * len(TURN_COLUMNS)]
+        lines += ["| " + " | ".join(turn.cells()) + " |" for turn in s.turns]
     return lines

@@ -16,7 +16,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from loadgen.analysis import LatencyStats, TimeSeries, time_series
+from loadgen.analysis import TURN_COLUMNS, LatencyStats, TimeSeries, TurnStats, time_series
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 
@@ -238,6 +238,9 @@ def _summary_html(result: RunResult) -> str:
         for r in summary.slos
     )
     goodput = "" if summary.goodput is None else f"<li>goodput: <b>{summary.goodput:.2f}</b> requests/s</li>"
+    goodput += "".join(
+        f"<li>{html.escape(part.describe())}</li>" for part in (summary.sessions, summary.prefix_reuse) if part
+    )
     notes = "".join(f"<li>{html.escape(note)}</li>" for note in result.advisories)
     config_rows = "".join(
         f"<tr><th>{html.escape(key)}</th><td>{html.escape(str(value))}</td></tr>"
@@ -251,10 +254,19 @@ def _summary_html(result: RunResult) -> str:
 <h2>Latency of ok requests (ms)</h2>
 <table><tr><th></th><th>mean</th><th>p50</th><th>p90</th><th>p99</th><th>max</th><th>count</th></tr>{latency_rows}</table>
 <p>TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM's benchmark defines it; ITL pools every gap between tokens.</p>
+{_turns_html(summary.turns or [])}
 {_SLO_TABLE.format(rows=slo_rows) if slo_rows else ""}
 {f"<h2>Read before trusting the numbers</h2><ul>{notes}</ul>" if notes else ""}
 <h2>Configuration</h2><table>{config_rows}</table>
 """
+
+
+def _turns_html(turns: list[TurnStats]) -> str:
+    if not turns:
+        return ""
+    header = "".join(f"<th>{html.escape(column)}</th>" for column in TURN_COLUMNS)
+    rows = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in turn.cells()) + "</tr>" for turn in turns)
+    return f"<h2>By turn (ok requests)</h2><table><tr>{header}</tr>{rows}</table>"
 
 
 _SLO_TABLE = "<h2>SLOs</h2><table><tr><th>SLO</th><th>threshold ms</th><th>observed ms</th><th></th></tr>{rows}</table>"

@@ -17,7 +17,7 @@ from chaoslib.hypothesis import within_tolerance
 
 from chaos.injectors.disconnects import NOT_EXPORTED
 from chaos.judgement.slo_check import SloResult, evaluate_all, run_spec
-from chaos.run.metrics import EngineActivity, time_to_recover
+from chaos.run.metrics import EngineActivity, PrefixCachePhases, prefix_cache_phases, time_to_recover
 from chaos.run.sizing import TargetSize
 from chaos.run.state import RunState
 from loadgen.analysis import Summary
@@ -62,6 +62,8 @@ class Verdict:
     load: Summary | None = None
     activity: EngineActivity | None = None
     recovery_s: float | None = None
+    # The prefix cache's hit rate before, during and after the faults (None: no fault, or no such counters).
+    prefix_cache: PrefixCachePhases | None = None
     fault_windows: list[FaultWindow] = field(default_factory=list)
     restarts_s: list[float] = field(default_factory=list)
     storms: list[dict[str, Any]] = field(default_factory=list)
@@ -132,6 +134,7 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         load=main.result.summary if main is not None and main.result is not None else None,
         activity=activity,
         recovery_s=None if main is None else time_to_recover(main.samples, state.fault_windows),
+        prefix_cache=None if main is None else prefix_cache_phases(main.samples, state.fault_windows),
         fault_windows=list(state.fault_windows),
         restarts_s=list(state.restarts),
         storms=storms,

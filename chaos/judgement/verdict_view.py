@@ -248,6 +248,12 @@ def _timeline(verdict: Verdict) -> Section:
     if verdict.fault_windows:
         recovery = "not within the load" if verdict.recovery_s is None else _seconds(verdict.recovery_s)
         rows.append(("time to recover (last fault off -> backlog back to its pre-fault level)", recovery))
+    if verdict.prefix_cache is not None:
+        phases = verdict.prefix_cache
+        rates = " / ".join(
+            "-" if rate is None else f"{rate:.0%}" for rate in (phases.before, phases.during, phases.after)
+        )
+        rows.append(("prefix cache hit rate before / during / after the faults (prompt tokens)", rates))
     rows += [("restart: time to ready", _seconds(ready_s)) for ready_s in verdict.restarts_s]
     if not rows:
         rows.append(("no fault was injected", "-"))

@@ -188,3 +188,36 @@ def time_to_recover(samples: list[MetricsSample], fault_windows: list[FaultWindo
 
     normal = max((backlog(s) for s in samples if s.unix_s < first_start), default=0.0)
     return next((s.unix_s - last_end for s in samples if s.unix_s >= last_end and backlog(s) <= normal), None)
+
+
+@dataclass(frozen=True)
+class PrefixCachePhases:
+    """The prefix cache's hit rate (the server's hit over queried prompt tokens, vLLM's counters) before the first
+    fault, while faults were on, and after the last one ended; None for a phase in which no prompt was looked up."""
+
+    before: float | None
+    during: float | None
+    after: float | None
+
+
+def prefix_cache_phases(samples: list[MetricsSample], fault_windows: list[FaultWindow]) -> PrefixCachePhases | None:
+    """None when there was no fault, or the server exports no prefix-cache counters."""
+    if not fault_windows or not samples or not samples[0].has("vllm:prefix_cache_queries_total"):
+        return None
+    first_start = min(w.start_unix for w in fault_windows)
+    last_end = max(w.end_unix for w in fault_windows)
+
+    def last_at(unix_s: float) -> MetricsSample:
+        return next((s for s in reversed(samples) if s.unix_s <= unix_s), samples[0])
+
+    def hit_rate(start: MetricsSample, end: MetricsSample) -> float | None:
+        queried = end.total("vllm:prefix_cache_queries_total") - start.total("vllm:prefix_cache_queries_total")
+        hits = end.total("vllm:prefix_cache_hits_total") - start.total("vllm:prefix_cache_hits_total")
+        return hits / queried if queried > 0 else None
+
+    fault_on, fault_off = last_at(first_start), last_at(last_end)
+    return PrefixCachePhases(
+        before=hit_rate(samples[0], fault_on),
+        during=hit_rate(fault_on, fault_off),
+        after=hit_rate(fault_off, samples[-1]),
+    )

@@ -259,3 +259,28 @@ def test_an_engine_fault_experiment_is_not_applicable_to_a_server_without_kvstor
     assert journal["status"] == "interrupted"
     assert "does not serve (HTTP 404)" in journal["kvstorm_not_applicable"]
     assert received == []  # no baseline, no load
+
+
+PREFIX_CACHE_EXPERIMENT = EXPERIMENTS_DIR / "prefix-cache-under-a-kv-cap.yaml"
+
+
+def test_a_kv_cap_evicts_the_prefix_cache_and_the_report_shows_the_hit_rate_fall_and_recover(kvstorm_server, tmp_path):
+    """Multi-turn conversations through a 30% KV cap: the histories waiting for their next turn are evicted, so the
+    hit rate (the server's counters, before / during / after the cap) falls under the cap and comes back after it;
+    the verdict says so and the report draws it."""
+    settings = {"duration_s": 30, "cap_after_s": 8, "cap_for_s": 12, "arrival": "poisson:rate=0.4"}
+    code, run_dir = kvstorm_chaos_run(PREFIX_CACHE_EXPERIMENT, kvstorm_server.url, tmp_path / "kvstorm", settings)
+    verdict = (run_dir / "verdict.md").read_text()
+    assert code == 0, verdict
+    row = re.search(
+        r"\| prefix cache hit rate before / during / after the faults.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict
+    )
+    assert row, verdict
+    before, during, after = (int(value) for value in row.groups())
+    assert during + 10 < before, verdict
+    assert during + 10 < after, verdict
+    report = (run_dir / "report.html").read_text()
+    assert "prefix cache hit rate" in report
+    load = json.loads((run_dir / "load.json").read_text())
+    assert load["summary"]["sessions"]["completed"] == load["summary"]["sessions"]["num_sessions"] > 5
+    assert_no_fault_left(kvstorm_server)
