@@ -36,6 +36,11 @@ BENCHMARKS = {
     "client-capacity": ("kvstorm.bench.serve", "add_bench_client_capacity_parser", "run_bench_client_capacity"),
     "goodput": ("kvstorm.bench.goodput", "add_bench_goodput_parser", "run_bench_goodput"),
     "neighbours": ("kvstorm.bench.neighbours", "add_bench_neighbours_parser", "run_bench_neighbours"),
+    "prefix-caching": (
+        "kvstorm.bench.prefix_caching",
+        "add_bench_prefix_caching_parser",
+        "run_bench_prefix_caching",
+    ),
     "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
     # Micro-benchmarks of the engine's parts, and of what serving costs it.
     "attention": ("kvstorm.bench.attention", "add_bench_attention_parser", "run_bench_attention"),

@@ -9,6 +9,7 @@ when it really left, and ``sent_s - scheduled_s`` (the send lag) shows the cost 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 import uuid
@@ -50,11 +51,7 @@ class RunContext:
         # Sent as X-Request-Id, so UUID-shaped (the run, then the request's index in hex): some servers refuse
         # any other shape with a 400 (llama-cpp-python's, through starlette-context).
         request_id = f"{self.run_id}-0000-4000-8000-{planned.index:012x}"
-        if self._slots is None:
-            return await self.client.send_for_text(
-                planned, request_id=request_id, run_start_ts=self.start_ts, keep_text=keep_text
-            )
-        async with self._slots:
+        async with self._slots or contextlib.nullcontext():
             return await self.client.send_for_text(
                 planned, request_id=request_id, run_start_ts=self.start_ts, keep_text=keep_text
             )

@@ -171,7 +171,7 @@ def _advance(scheduler: Scheduler, plan: StepPlan, watched: _ForecastRequest) ->
     scheduler.back_off.on_success()
     watched_sampled = False
     for request, num_new in plan.batch:
-        scheduler.computed(request, num_new)
+        scheduler.record_computed(request, num_new)
         if request.num_computed_tokens < request.num_tokens:
             continue
         watched_sampled = watched_sampled or request is watched

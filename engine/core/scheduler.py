@@ -213,7 +213,7 @@ class Scheduler:
         advanced = []
         for scheduled in output.scheduled:
             request = self.requests[scheduled.request_id]
-            self.computed(request, scheduled.num_new_tokens)
+            self.record_computed(request, scheduled.num_new_tokens)
             if not scheduled.needs_sample:
                 continue
             request.append_output(sampled[request.request_id])
@@ -222,7 +222,7 @@ class Scheduler:
             advanced.append(request)
         return advanced
 
-    def computed(self, request: SchedulableRequest, num_new_tokens: int) -> None:
+    def record_computed(self, request: SchedulableRequest, num_new_tokens: int) -> None:
         """The step computed ``num_new_tokens`` more of the request's tokens: the full blocks among them are
         offered to the prefix cache."""
         request.num_computed_tokens += num_new_tokens
@@ -234,10 +234,10 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
-            num_free_device_blocks=self.kv.device_pool.num_free_blocks,
-            num_device_blocks=self.kv.device_pool.capacity,
-            num_used_device_blocks=self.kv.device_pool.num_used_blocks,
-            num_physical_device_blocks=self.kv.device_pool.num_blocks,
+            num_free_device_blocks=device_pool.num_free_blocks,
+            num_device_blocks=device_pool.capacity,
+            num_used_device_blocks=device_pool.num_used_blocks,
+            num_physical_device_blocks=device_pool.num_blocks,
             num_free_host_blocks=self.kv.host_pool.num_free_blocks,
             num_host_blocks=self.kv.host_pool.capacity,
             num_used_host_blocks=self.kv.host_pool.num_used_blocks,
@@ -245,7 +245,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             max_num_seqs_now=self.back_off.limit.max_num_seqs,
             max_num_batched_tokens_now=self.back_off.limit.max_num_batched_tokens,
-            num_reserved_device_blocks=int(self.watermark * self.kv.device_pool.capacity),
+            num_reserved_device_blocks=int(self.watermark * device_pool.capacity),
             num_cached_device_blocks=device_pool.num_cached_blocks,
             num_evictable_device_blocks=device_pool.num_evictable_blocks,
             prefix_cache_queried_tokens=self.kv.prefix_cache_counts.queried_tokens,
