@@ -39,6 +39,8 @@ MAX_RATE_STEPS = 64  # pieces of a ``steps:rates=a/b/...`` arrival
 MAX_SPEEDUP = 100.0  # a trace replayed faster than this is a different load
 MAX_BURSTINESS = 100.0
 MAX_STRING_CHARS = 256
+MAX_SHARED_PREFIXES = 10_000
+MAX_TURNS = 64
 # A data file's name under the data directory: no comma (it would split the spec), no '$' (no Chaos Toolkit
 # substitution), no '..' component (checked after resolving too).
 _FILE_NAME = re.compile(r"[A-Za-z0-9._/-]{1,200}")
@@ -114,24 +116,40 @@ class LengthSpec:
         return {"type": "string", "spec": "length", "max_tokens": MAX_TOKENS}
 
 
+# Per workload kind (but jsonl), each setting a caller may give and its bounds.
+WORKLOAD_BOUNDS = {
+    "random": {"low": (0, 1_000_000), "high": (0, 1_000_000)},
+    "chat": {},
+    "shared-prefix": {
+        "num_prefixes": (1, MAX_SHARED_PREFIXES),
+        "prefix_len": (1, MAX_TOKENS),
+        "low": (0, 1_000_000),
+        "high": (0, 1_000_000),
+    },
+    "multiturn": {"turns": (1, MAX_TURNS), "system_len": (0, MAX_TOKENS), "think_s": (0, MAX_DURATION_S)},
+}
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """``random[:low=..,high=..]``, ``chat``, or ``jsonl:path=<file under the data directory>``."""
+    """``random[:low=..,high=..]``, ``chat``, ``shared-prefix:num_prefixes=..,prefix_len=..[,low=..,high=..]``,
+    ``multiturn:turns=..[,system_len=..,think_s=..]``, or ``jsonl:path=<file under the data directory>``."""
 
     def check(self, value: Any, data_dir: Path | None) -> Any:
-        spec = _spec(value, {"random", "chat", "jsonl"})
+        spec = _spec(value, {*WORKLOAD_BOUNDS, "jsonl"})
         if spec.kind == "jsonl":
             return f"jsonl:path={_data_file(spec.params.get('path') or spec.args, data_dir)}"
-        if spec.kind == "random":
-            spec.check_keys({"low", "high"})
-            for key in ("low", "high"):
-                _bounded(spec, key, 0, 1_000_000)
-        elif spec.params or spec.args:
-            raise ValueError(f"chat takes no settings, got {value!r}")
+        bounds = WORKLOAD_BOUNDS[spec.kind]
+        if spec.args or (spec.params and not bounds):
+            raise ValueError(f"{spec.kind} takes {sorted(bounds) or 'no settings'}, got {value!r}")
+        spec.check_keys(set(bounds))
+        for key, (minimum, maximum) in bounds.items():
+            _bounded(spec, key, minimum, maximum)
         return value
 
     def describe(self) -> dict[str, Any]:
-        return {"type": "string", "spec": "workload", "kinds": ["random", "chat", "jsonl (under --data-dir)"]}
+        kinds = ["random", "chat", "shared-prefix", "multiturn", "jsonl (under --data-dir)"]
+        return {"type": "string", "spec": "workload", "kinds": kinds}
 
 
 @dataclass(frozen=True)

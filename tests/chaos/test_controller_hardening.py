@@ -128,6 +128,10 @@ def test_rates_lengths_and_durations_are_bounded(plain):
     refused(post_run(url, output_len="fixed:100000000"), "output_len", "32768")
     refused(post_run(url, cap_fraction=2), "cap_fraction", "[0, 1]")
     refused(post_run(url, baseline_requests=True), "baseline_requests", "number")
+    refused(post_run(url, workload="multiturn:turns=100000"), "workload", "[1, 64]")
+    refused(post_run(url, workload="shared-prefix:num_prefixes=2,prefix_len=1e9"), "workload", "32768")
+    refused(post_run(url, workload="multiturn:turns=2,command=ls"), "workload", "unknown key")
+    refused(post_run(url, workload="chat:x=1"), "workload", "no settings")
     assert_nothing_ran(url, workdir / "results")
     library = {e["name"]: e for e in requests.get(f"{url}/experiments", headers=AUTH, timeout=30).json()}
     assert library["burst-with-vram-cap"]["schema"]["arrival"]["max_rate"] == 200
