@@ -12,33 +12,38 @@ Specs (``--arrival``)::
                                         base rate, then burst rate for burst_s at the start of every period
     steps:rates=5/10/20,step_s=30[,spacing=even]
                                         each rate for step_s seconds, in order (the last one holds)
-    trace:path=trace.jsonl[,speedup=2]  replay: one JSON object (or CSV row) per request with
-                                        timestamp, prompt_len, output_len
+    trace:path=FILE[,format=auto|kvstorm|mooncake|azure|burstgpt][,speedup=2][,start_s=..,duration_s=..]
+         [,length_scale=0.25][,max_len=2048]
+                                        replay a real trace (loadgen.traces): kvstorm's own JSONL/CSV
+                                        (timestamp, prompt_len, output_len), Mooncake's JSONL (its prefix
+                                        blocks reach the server), the Azure 2023 CSV or BurstGPT's CSV; a window
+                                        of it, faster or slower, lengths scaled or clipped, each said in the results
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from loadgen.spec import Spec, parse_spec
+from loadgen.traces import replay
 
 ARRIVAL_KINDS = {"constant", "poisson", "gamma", "onoff", "steps", "trace"}
 
 
 @dataclass(frozen=True)
 class Arrival:
-    """One scheduled request; a trace also fixes its prompt and output lengths (None: the workload decides)."""
+    """One scheduled request; a trace also fixes its prompt and output lengths (None: the workload decides), and a
+    Mooncake trace its prompt's prefix blocks (each ``block_len`` tokens; equal ids are equal blocks)."""
 
     offset_s: float
     prompt_len: int | None = None
     output_len: int | None = None
+    block_ids: tuple[int, ...] = ()
+    block_len: int = 0
 
 
 def make_arrivals(text: str, *, num_requests: int | None, duration_s: float | None, seed: int = 0) -> list[Arrival]:
@@ -178,19 +183,6 @@ def _piecewise(
 
 
 def _trace(spec: Spec) -> list[Arrival]:
-    spec.check_keys({"path", "speedup"})
-    path = Path(spec.get_str("path"))
-    speedup = spec.get_float("speedup", 1.0, minimum=1e-9)
-    with path.open() as file:
-        if path.suffix == ".csv":
-            rows = list(csv.DictReader(file))
-        else:
-            rows = [json.loads(line) for line in file if line.strip()]
-    if not rows:
-        raise ValueError(f"trace {path} has no requests")
-    try:
-        parsed = sorted((float(r["timestamp"]), int(r["prompt_len"]), int(r["output_len"])) for r in rows)
-    except KeyError as error:
-        raise ValueError(f"trace {path}: every row needs timestamp, prompt_len, output_len (missing {error})") from None
-    first = parsed[0][0]
-    return [Arrival((ts - first) / speedup, prompt_len, output_len) for ts, prompt_len, output_len in parsed]
+    return [
+        Arrival(r.offset_s, r.prompt_len, r.output_len, r.block_ids, r.block_len) for r in replay(spec.text).requests
+    ]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from loadgen.analysis import TURN_COLUMNS, Summary, advisories, parse_slos, summarize
-from loadgen.arrivals import make_arrivals
+from loadgen.arrivals import ARRIVAL_KINDS, make_arrivals
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
 from loadgen.progress import LiveProgress
@@ -18,6 +18,8 @@ from loadgen.records import Outcome
 from loadgen.results import FaultWindow, RunConfig, RunResult
 from loadgen.runner import run_open_loop
 from loadgen.sessions import build_sessions, run_sessions
+from loadgen.spec import parse_spec
+from loadgen.traces import replay
 from loadgen.workloads import build_plan, is_session_workload
 
 
@@ -72,6 +74,8 @@ async def run_benchmark(
             records, timing = await run_open_loop(plan, client, max_concurrency=config.max_concurrency)
     summary = summarize(records, timing.duration_s, slos, sessions.num_turns if sessions else None)
     notes = advisories(summary, records, exact_output=config.exact_output, max_concurrency=config.max_concurrency)
+    if parse_spec(config.arrival, ARRIVAL_KINDS).kind == "trace":
+        notes.insert(0, replay(config.arrival).description)
     series = []
     if prometheus_url:
         end_unix = max(time.time(), timing.start_unix + timing.duration_s)
@@ -93,7 +97,7 @@ async def run_benchmark(
 def summary_markdown(result: RunResult) -> str:
     """The run in a few lines of markdown: what ran, outcomes, throughput, latency table, SLOs, advisories."""
     s, c = result.summary, result.config
-    bounds = f"{c.num_requests} requests" if c.num_requests else f"{c.duration_s:g} s"
+    bounds = f"{c.num_requests} requests" if c.num_requests else f"{c.duration_s:g} s" if c.duration_s else "to its end"
     cap = f", max concurrency {c.max_concurrency}" if c.max_concurrency else ""
     lines = [
         f"Server {c.base_url}, model `{c.model}`; workload `{c.workload}` (input `{c.input_len}`, output "

@@ -149,12 +149,21 @@ def build_plan(
         low, high = _token_id_range(spec)
     prefixes = _shared_prefixes(spec, rng, low, high) if spec.kind == "shared-prefix" else []
     prefixes_sent: set[int] = set()
+    blocks = _TraceBlocks(seed)
+    if any(arrival.block_ids for arrival in arrivals) and spec.kind != "random":
+        raise ValueError(
+            f"{workload!r}: a trace with prefix blocks (Mooncake's hash_ids) needs --workload random, whose prompts "
+            "are token ids: one block of them per id"
+        )
     plan = []
     for index, arrival in enumerate(arrivals):
         prompt_len = arrival.prompt_len or int(prompt_lens[index])
         max_tokens = arrival.output_len or int(output_lens[index])
         shared = 0
-        if spec.kind == "random":
+        if arrival.block_ids:
+            prompt, shared = blocks.prompt(arrival, low, high)
+            path, body = COMPLETIONS_PATH, {"prompt": prompt}
+        elif spec.kind == "random":
             path, body = COMPLETIONS_PATH, {"prompt": rng.integers(low, high, size=prompt_len).tolist()}
         elif spec.kind == "shared-prefix":
             choice = int(rng.integers(len(prefixes)))
@@ -169,6 +178,38 @@ def build_plan(
             path, body, max_tokens = _jsonl_request(jsonl_items[index % len(jsonl_items)], max_tokens, spec)
         plan.append(PlannedRequest(index, arrival.offset_s, path, body, max_tokens, shared))
     return plan
+
+
+class _TraceBlocks:
+    """A trace's prefix blocks as token ids: the same tokens for the same id, wherever it recurs."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        # Per block id, how many of its tokens a request has sent (the end of a prompt may cut its last block).
+        self.sent: dict[int, int] = {}
+        self.num_prompts = 0
+
+    def prompt(self, arrival: Arrival, low: int, high: int) -> tuple[list[int], int]:
+        """The arrival's prompt, and how many of its leading tokens an earlier request sent (an id names a whole
+        prefix: the shared part ends at the first block not sent whole before)."""
+        tokens: list[int] = []
+        for block_id in arrival.block_ids:
+            tokens += np.random.default_rng([self.seed, block_id]).integers(low, high, size=arrival.block_len).tolist()
+        prompt_len = arrival.prompt_len or len(tokens)
+        # A prompt longer than its blocks (a trace's last block is partial, rounding) ends in tokens of its own.
+        own = np.random.default_rng([self.seed, 1 << 40, self.num_prompts])
+        tokens += own.integers(low, high, size=max(0, prompt_len - len(tokens))).tolist()
+        self.num_prompts += 1
+        shared = 0
+        for block_id in arrival.block_ids:
+            num_sent = self.sent.get(block_id, 0)
+            shared += num_sent
+            if num_sent < arrival.block_len:
+                break
+        for index, block_id in enumerate(arrival.block_ids):
+            num_in_prompt = min(arrival.block_len, max(0, prompt_len - index * arrival.block_len))
+            self.sent[block_id] = max(self.sent.get(block_id, 0), num_in_prompt)
+        return tokens[:prompt_len], min(shared, prompt_len)
 
 
 def _token_id_range(spec: Spec) -> tuple[int, int]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from loadgen.arrivals import make_arrivals
 from loadgen.spec import Spec, parse_spec
+from loadgen.traces import TRACE_FORMATS
 from loadgen.workloads import sample_lengths
 
 # Set by the controller from its own configuration, never by a caller: the run is against the controller's target.
@@ -116,6 +117,14 @@ class LengthSpec:
         return {"type": "string", "spec": "length", "max_tokens": MAX_TOKENS}
 
 
+# A trace replay's numeric settings and their bounds (seconds of the trace's own time for the window).
+TRACE_BOUNDS = {
+    "speedup": (1e-3, MAX_SPEEDUP),
+    "start_s": (0, 1e9),
+    "duration_s": (1e-3, 1e9),
+    "length_scale": (1e-3, 100),
+    "max_len": (1, MAX_TOKENS),
+}
 # Per workload kind (but jsonl), each setting a caller may give and its bounds.
 WORKLOAD_BOUNDS = {
     "random": {"low": (0, 1_000_000), "high": (0, 1_000_000)},
@@ -155,15 +164,13 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class ArrivalSpec:
     """``constant|poisson|gamma|onoff|steps`` with every rate at most ``MAX_RATE`` and every duration at most
-    ``MAX_DURATION_S``; ``trace:path=<file under the data directory>[,speedup=..]``."""
+    ``MAX_DURATION_S``; ``trace:path=<file under the data directory>[,format=..,speedup=..,start_s=..,
+    duration_s=..,length_scale=..,max_len=..]`` (``loadgen.traces``)."""
 
     def check(self, value: Any, data_dir: Path | None) -> Any:
         spec = _spec(value, {"constant", "poisson", "gamma", "onoff", "steps", "trace"})
         if spec.kind == "trace":
-            spec.check_keys({"path", "speedup"})
-            _bounded(spec, "speedup", 1e-3, MAX_SPEEDUP)
-            speedup = f",speedup={spec.params['speedup']}" if "speedup" in spec.params else ""
-            return f"trace:path={_data_file(spec.params.get('path', ''), data_dir)}{speedup}"
+            return self._trace(spec, data_dir)
         for key in ("rate", "base", "burst"):
             _bounded(spec, key, 0, MAX_RATE)
         for key in ("burst_s", "period_s", "step_s"):
@@ -179,6 +186,16 @@ class ArrivalSpec:
             raise ValueError(f"spacing must be even or random, got {spec.params['spacing']!r}")
         make_arrivals(value, num_requests=1, duration_s=None)  # the loadgen's own grammar, its own message
         return value
+
+    @staticmethod
+    def _trace(spec: Spec, data_dir: Path | None) -> str:
+        spec.check_keys(set(TRACE_BOUNDS) | {"path", "format"})
+        if spec.params.get("format", "auto") not in TRACE_FORMATS:
+            raise ValueError(f"format must be one of {TRACE_FORMATS}, got {spec.params['format']!r}")
+        for key, (minimum, maximum) in TRACE_BOUNDS.items():
+            _bounded(spec, key, minimum, maximum)
+        settings = "".join(f",{key}={value}" for key, value in spec.params.items() if key != "path")
+        return f"trace:path={_data_file(spec.params.get('path', ''), data_dir)}{settings}"
 
     def describe(self) -> dict[str, Any]:
         return {

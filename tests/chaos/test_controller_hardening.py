@@ -132,6 +132,8 @@ def test_rates_lengths_and_durations_are_bounded(plain):
     refused(post_run(url, workload="shared-prefix:num_prefixes=2,prefix_len=1e9"), "workload", "32768")
     refused(post_run(url, workload="multiturn:turns=2,command=ls"), "workload", "unknown key")
     refused(post_run(url, workload="chat:x=1"), "workload", "no settings")
+    refused(post_run(url, arrival="trace:path=t.csv,max_len=1e9"), "arrival", "32768")
+    refused(post_run(url, arrival="trace:path=t.csv,format=../x"), "arrival", "format")
     assert_nothing_ran(url, workdir / "results")
     library = {e["name"]: e for e in requests.get(f"{url}/experiments", headers=AUTH, timeout=30).json()}
     assert library["burst-with-vram-cap"]["schema"]["arrival"]["max_rate"] == 200
