@@ -143,6 +143,10 @@ class Summary(BaseModel):
     prefix_reuse: PrefixReuse | None = None
     turns: list[TurnStats] | None = None
     sessions: SessionCounts | None = None
+    # Arrivals per second over the schedule as configured and as the client really sent them (first to last; a
+    # multi-turn run counts the sessions' first turns, whose times the schedule sets); None with fewer than two.
+    scheduled_rate: float | None = None
+    delivered_rate: float | None = None
 
 
 def parse_slos(text: str | None) -> list[Slo]:
@@ -191,11 +195,28 @@ def summarize(
         num_short_outputs=sum(r.output_tokens < r.requested_output_tokens for r in ok),
         slos=slo_results,
         goodput=len(good) / duration_s if slos else None,
+        scheduled_rate=_rate([r.scheduled_s for r in records if r.turn in (None, 1)]),
+        delivered_rate=_rate([r.sent_s for r in records if r.turn in (None, 1)]),
         prefix_reuse=prefix_reuse(ok),
         turns=turn_stats(records) if num_turns else None,
         sessions=session_counts(records, num_turns) if num_turns else None,
         **stats,
     )
+
+
+def describe_rates(summary: Summary) -> str | None:
+    """The arrival rate the schedule asked for beside the one the client delivered (None with fewer than two)."""
+    if summary.scheduled_rate is None or summary.delivered_rate is None:
+        return None
+    return (
+        f"Arrivals: {summary.delivered_rate:.2f} requests/s sent of {summary.scheduled_rate:.2f} scheduled "
+        f"({summary.delivered_rate / summary.scheduled_rate:.0%})."
+    )
+
+
+def _rate(offsets_s: list[float]) -> float | None:
+    span_s = max(offsets_s, default=0.0) - min(offsets_s, default=0.0)
+    return (len(offsets_s) - 1) / span_s if len(offsets_s) > 1 and span_s > 0 else None
 
 
 def prefix_reuse(ok: list[RequestRecord]) -> PrefixReuse | None:
@@ -329,6 +350,12 @@ def advisories(
         notes.append(
             f"Concurrency was capped at {max_concurrency} client-side: requests over the cap waited for a slot "
             f"(send lag p99 {lag.p99 * 1e3:.1f} ms, max {lag.max * 1e3:.1f} ms). Latencies count from the real send."
+        )
+    elif summary.delivered_rate and summary.scheduled_rate and summary.delivered_rate < 0.95 * summary.scheduled_rate:
+        notes.append(
+            f"The client fell behind its schedule: it sent {summary.delivered_rate:.2f} requests/s where the schedule "
+            f"asked for {summary.scheduled_rate:.2f} ({1 - summary.delivered_rate / summary.scheduled_rate:.0%} "
+            "short), so the server saw a lighter load than configured. Give the client more CPU, or shard the load."
         )
     elif lag is not None and lag.max > 0.010:
         notes.append(

@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
-from loadgen.analysis import TURN_COLUMNS, Summary, advisories, parse_slos, summarize
+from loadgen.analysis import TURN_COLUMNS, Summary, advisories, describe_rates, parse_slos, summarize
 from loadgen.arrivals import ARRIVAL_KINDS, make_arrivals
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
@@ -117,7 +117,7 @@ def summary_markdown(result: RunResult) -> str:
             f"{getattr(stats, k) * 1e3:.1f}" if stats else "-" for k in ("mean", "p50", "p90", "p99", "max")
         )
         lines.append(f"| {metric.upper()} | {cells} |")
-    lines += _reuse_and_turn_lines(s)
+    lines += _detail_lines(s)
     for slo_result in s.slos:
         observed = "-" if slo_result.observed_s is None else f"{slo_result.observed_s * 1e3:.1f} ms"
         verdict = "met" if slo_result.met else "**MISSED**"
@@ -126,8 +126,9 @@ def summary_markdown(result: RunResult) -> str:
     return "\n".join(lines)
 
 
-def _reuse_and_turn_lines(s: Summary) -> list[str]:
-    lines = [f"\n{part.describe()}" for part in (s.sessions, s.prefix_reuse) if part is not None]
+def _detail_lines(s: Summary) -> list[str]:
+    lines = [f"\n{text}" for text in (describe_rates(s),) if text]
+    lines += [f"\n{part.describe()}" for part in (s.sessions, s.prefix_reuse) if part is not None]
     if s.turns:
         lines += ["", "| " + " | ".join(TURN_COLUMNS) + " |", "|" + "---|" * len(TURN_COLUMNS)]
         lines += ["| " + " | ".join(turn.cells()) + " |" for turn in s.turns]

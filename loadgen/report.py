@@ -16,7 +16,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from loadgen.analysis import TURN_COLUMNS, LatencyStats, TimeSeries, TurnStats, time_series
+from loadgen.analysis import TURN_COLUMNS, LatencyStats, TimeSeries, TurnStats, describe_rates, time_series
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 
@@ -238,6 +238,8 @@ def _summary_html(result: RunResult) -> str:
         for r in summary.slos
     )
     goodput = "" if summary.goodput is None else f"<li>goodput: <b>{summary.goodput:.2f}</b> requests/s</li>"
+    rates = describe_rates(summary)
+    goodput += f"<li>{html.escape(rates)}</li>" if rates else ""
     goodput += "".join(
         f"<li>{html.escape(part.describe())}</li>" for part in (summary.sessions, summary.prefix_reuse) if part
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loadgen.analysis import advisories, parse_slos, peak_in_flight, summarize, time_series
+from loadgen.analysis import advisories, describe_rates, parse_slos, peak_in_flight, summarize, time_series
 from loadgen.records import Outcome, RequestRecord
 
 
@@ -69,6 +69,22 @@ def test_time_series_buckets_by_send_time():
     assert series.sent_rate == [4.0, 5.0]
     assert series.outcomes[Outcome.CLIENT_TIMEOUT] == [0, 1]
     assert series.ttft["p50"] == [pytest.approx(0.1), pytest.approx(0.1)]
+
+
+def test_a_client_that_falls_behind_its_schedule_says_the_load_was_lighter_than_configured():
+    on_time = [record(i, sent_s=i * 0.1) for i in range(11)]
+    summary = summarize(on_time, 2.0)
+    assert summary.scheduled_rate == pytest.approx(10.0)
+    assert summary.delivered_rate == pytest.approx(10.0)
+    assert not any(
+        "fell behind" in note for note in advisories(summary, on_time, exact_output=True, max_concurrency=None)
+    )
+    behind = [record(i, sent_s=i * 0.12) for i in range(11)]
+    for r in behind:
+        r.scheduled_s = r.index * 0.1
+    notes = advisories(summarize(behind, 2.0), behind, exact_output=True, max_concurrency=None)
+    assert any("sent 8.33 requests/s where the schedule asked for 10.00 (17% short)" in note for note in notes), notes
+    assert describe_rates(summarize(behind, 2.0)) == "Arrivals: 8.33 requests/s sent of 10.00 scheduled (83%)."
 
 
 def test_advisories_tell_when_numbers_need_care():
