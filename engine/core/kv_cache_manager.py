@@ -66,7 +66,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.device_tables: dict[str, list[int]] = {}
         self.host_tables: dict[str, list[int]] = {}
-        # How many of a request's device blocks have been offered to the cache: the next to register is the next.
+        # Per request, how many leading blocks of its device table have been offered to the cache already.
         self._num_offered: dict[str, int] = {}
         self.prefix_cache_counts = PrefixCacheCounts()
 
@@ -104,15 +104,15 @@ class KVCacheManager:
         if cached_block_ids and table:
             raise ValueError(f"request {request_id!r} holds blocks already: a cached prefix starts a table")
         num_held = len(cached_block_ids) + (len(table) if table is not None else 0)
-        needed = num_blocks_for(num_total_tokens, self.block_size) - num_held
-        if needed <= 0 and not cached_block_ids:
+        needed = max(0, num_blocks_for(num_total_tokens, self.block_size) - num_held)
+        if not needed and not cached_block_ids:
             return []
         # Taking back an evictable cached block costs a free block as much as a new one does.
         num_reused_free = sum(1 for block_id in cached_block_ids if self.device_pool.ref_count(block_id) == 0)
-        if self.device_pool.num_free_blocks - max(needed, 0) - num_reused_free < num_reserved_blocks:
+        if self.device_pool.num_free_blocks - needed - num_reused_free < num_reserved_blocks:
             return None
         self.device_pool.touch(cached_block_ids)
-        new_block_ids = self.device_pool.allocate(max(needed, 0))
+        new_block_ids = self.device_pool.allocate(needed)
         if new_block_ids is None:
             raise AssertionError("the free count said the blocks were there")
         if cached_block_ids:
@@ -133,9 +133,11 @@ class KVCacheManager:
         if end > start:
             self._num_offered[request.request_id] = end
 
-    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_cache_counts.queried_tokens += num_tokens
-        self.prefix_cache_counts.hit_tokens += num_hit_tokens
+    def count_admission(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """A request admitted with ``num_hit_tokens`` of its ``num_tokens`` found cached (nothing with caching off)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_counts.queried_tokens += num_tokens
+            self.prefix_cache_counts.hit_tokens += num_hit_tokens
 
     def table_hashes(self, request_id: str) -> tuple[BlockHash | None, ...]:
         """The hash each block of the request's device table is cached under (None: not cached)."""
@@ -190,17 +192,15 @@ class KVCacheManager:
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Copy the request's table to the host pool and drop its device blocks (a shared one stays for its other
         owners); (device, host) block pairs, or None if the host is full."""
-        self._num_offered.pop(request_id, None)
         return self._move_table(request_id, self.device_pool, self.device_tables, self.host_pool, self.host_tables)
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's table back into new device blocks (offered to the cache again as the request's next
         step completes); (host, device) pairs, or None if no room."""
-        self._num_offered.pop(request_id, None)
         return self._move_table(request_id, self.host_pool, self.host_tables, self.device_pool, self.device_tables)
 
-    @staticmethod
     def _move_table(
+        self,
         request_id: str,
         src_pool: BlockPool,
         src_tables: dict[str, list[int]],
@@ -214,6 +214,8 @@ class KVCacheManager:
         src_tables.pop(request_id, None)
         src_pool.free(reversed(src_ids))
         dst_tables[request_id] = dst_ids
+        # The blocks are new ones: none of them has been offered to the cache yet.
+        self._num_offered.pop(request_id, None)
         return list(zip(src_ids, dst_ids, strict=True))
 
     def num_swapped_blocks(self, request_id: str) -> int:

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.core.block_hash import BlockHash, extend_block_hashes
+from engine.core.block_hash import ROOT_HASH, BlockHash, extend_block_hashes, hash_block
 from engine.core.outputs import FinishReason, PreparedRequest, RequestTimings
 from engine.core.sampling_params import SamplingParams
 
@@ -88,9 +88,13 @@ class Request:
         return len(self.output_token_ids)
 
     def append_output(self, token_id: int) -> None:
+        """One more output token; the block it fills, if any, gets its hash (one block at a time: the blocks
+        before it have theirs)."""
         self.output_token_ids.append(token_id)
-        if self.block_size and self.num_tokens % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, self.block_size)
+        end = self.num_tokens
+        if self.block_size and end % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+            self.block_hashes.append(hash_block(parent, self.token_ids(end - self.block_size, end)))
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt followed by output."""

@@ -331,8 +331,7 @@ class Scheduler:
         ):
             return 0
         request.num_computed_tokens = num_cached_tokens
-        if self.kv.enable_prefix_caching:
-            self.kv.count_lookup(request.num_tokens, num_cached_tokens)
+        self.kv.count_admission(request.num_tokens, num_cached_tokens)
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached_tokens
         return num_new

@@ -105,7 +105,7 @@ def _measure(name: str, url: str, args: argparse.Namespace) -> TargetRun:
 @contextmanager
 def _vllm(command: str) -> Iterator[str]:
     port = free_port()
-    server = ManagedServer(command.format(port=port), f"http://127.0.0.1:{port}/health")
+    server = ManagedServer(command.replace("{port}", str(port)), f"http://127.0.0.1:{port}/health")
     server.start(timeout_s=600)
     try:
         yield f"http://127.0.0.1:{port}"
