@@ -6,6 +6,7 @@ C++ compiler and ninja) and cached under ``TORCH_EXTENSIONS_DIR``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import sys
@@ -15,6 +16,7 @@ from types import ModuleType
 
 import torch
 
+EXTENSION_NAME = "kvstorm_cpu_kernels"
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # What the kernels compute on (activations and the KV cache).
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -31,18 +33,34 @@ def compiled_kernels() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
-    with _installed_ninja_first():
+    build_directory = kernels_build_directory()
+    build_directory.mkdir(parents=True, exist_ok=True)
+    with _installed_ninja_first(), open(build_directory / "kvstorm-build.flock", "w") as guard:
+        # torch's loader guards a build with a file it deletes when done: a build killed midway (Ctrl-C on a first
+        # start) leaves it, and every later load waits for it forever, silently. Each kvstorm build holds this
+        # flock, which the kernel releases when its holder dies, so a torch lock found while holding it is such a
+        # leftover.
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_directory / "lock").unlink(missing_ok=True)
         module = load(
-            name="kvstorm_cpu_kernels",
+            name=EXTENSION_NAME,
             sources=[str(source) for source in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_directory),
             verbose=False,
         )
     elapsed = time.perf_counter() - start
     if elapsed > 5:
         print(f"kvstorm: built the CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     return module
+
+
+def kernels_build_directory() -> Path:
+    """Where torch's loader builds and caches the kernels (under ``TORCH_EXTENSIONS_DIR``, or its default root)."""
+    from torch.utils.cpp_extension import _get_build_directory  # private, but the one place that names it
+
+    return Path(_get_build_directory(EXTENSION_NAME, verbose=False))
 
 
 @contextlib.contextmanager
