@@ -4,10 +4,22 @@
     locust -f loadgen/locustfile.py --headless -u 20 -t 60s --host ... --model NAME --csv out
     locust -f loadgen/locustfile.py --master ...   +   locust -f loadgen/locustfile.py --worker   # distributed
 
+User classes: ``StreamingUser`` sends single requests of ``--workload`` (chat when that is multiturn),
+``ConversationUser`` holds multi-turn conversations (``--workload multiturn:...``, else ``--conversation``) and
+``SharedPrefixUser`` sends shared-prefix requests (``--workload shared-prefix:...``, else ``--shared-prefix``) whose
+prefixes every user of the run shares, each with suffixes of its own. Without a class named on the command line
+(``locust ... ConversationUser``) the run uses the one class that the kind of ``--workload`` calls for (multiturn:
+ConversationUser, shared-prefix: SharedPrefixUser, else StreamingUser); with ``--class-picker`` the web UI ticks
+the classes of each run (none ticked: all three, a third of the users each). Workers keep every class: the master
+names the class of each user it hands them.
+
 Each request is reported four ways: the POST itself (Locust's own row: time to the response headers; failed when
 the request was rejected or its stream broke), and our request types ``TTFT``, ``ITL`` (one sample per gap between
 tokens) and ``E2E``, which show in the web UI and the CSV like any request. ``E2E`` fails for a broken stream or a
-client timeout, with the reason. Users loop without waiting; the load is the number of users, which the shape
+client timeout, with the reason. A conversation's TTFT is named by its turn (``turn 1``, ``turn 2``, ...: one row
+per turn), and each conversation ends with a ``SESSION`` sample named ``conversation`` (its duration; failed
+"cut short at turn K" when a turn was refused or broke, which ends it: the next one starts). Users loop without
+waiting (a conversation waits its think time between turns); the load is the number of users, which the shape
 (``--shape``, ``$LOCUST_SHAPE``; see ``loadgen/shapes.py``) can burst, spike or step over time.
 
 Streams are checked by the same tracker as ``kvstorm bench serve`` (SSE framing, finish reason, ``[DONE]``, usage
@@ -19,10 +31,12 @@ default and asks for a login wherever it may be reached from another machine (``
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import time
 import uuid
 
+import gevent
 import requests
 from locust import HttpUser, LoadTestShape, constant, events, task
 from urllib3.exceptions import ReadTimeoutError
@@ -30,19 +44,41 @@ from urllib3.exceptions import ReadTimeoutError
 from loadgen import web_login
 from loadgen.arrivals import Arrival
 from loadgen.records import Outcome, RequestRecord
+from loadgen.sessions import Conversation, build_sessions
 from loadgen.shapes import make_shape
-from loadgen.spec import parse_duration
+from loadgen.spec import parse_duration, parse_spec
 from loadgen.tracker import StreamTracker
-from loadgen.workloads import build_plan, request_body
+from loadgen.workloads import WORKLOAD_KINDS, PlannedRequest, build_plan, is_session_workload, request_body
 
+# Requests (conversations) each user plans, then sends over and over.
 PLANNED_PER_USER = 64
+# The seed of what every user of a run shares (shared-prefix's prefixes, a conversation's system prompt): the same in
+# every user and every worker process, while each user draws the rest from a seed of its own.
+SHARED_SEED = 0
 
 
 @events.init_command_line_parser.add_listener
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("kvstorm")
     group.add_argument("--model", env_var="LOCUST_MODEL", default="default", help="model name the server expects")
-    group.add_argument("--workload", env_var="LOCUST_WORKLOAD", default="chat", help="random, chat, jsonl:path=")
+    group.add_argument(
+        "--workload",
+        env_var="LOCUST_WORKLOAD",
+        default="chat",
+        help="random, chat, jsonl:path=, shared-prefix:, multiturn: (also picks the user class when none is named)",
+    )
+    group.add_argument(
+        "--conversation",
+        env_var="LOCUST_CONVERSATION",
+        default="multiturn:turns=6,system_len=1000,think_s=1",
+        help="ConversationUser's workload when --workload is not multiturn",
+    )
+    group.add_argument(
+        "--shared-prefix",
+        env_var="LOCUST_SHARED_PREFIX",
+        default="shared-prefix:num_prefixes=4,prefix_len=512",
+        help="SharedPrefixUser's workload when --workload is not shared-prefix",
+    )
     group.add_argument("--input-len", env_var="LOCUST_INPUT_LEN", default="fixed:128", help="prompt tokens")
     group.add_argument("--output-len", env_var="LOCUST_OUTPUT_LEN", default="fixed:64", help="max_tokens")
     group.add_argument("--exact-output", env_var="LOCUST_EXACT_OUTPUT", choices=["true", "false"], default="true")
@@ -57,40 +93,59 @@ def install_web_login(environment, web_ui=None, **_kwargs) -> None:
     web_login.install(web_ui)
 
 
+@events.init.add_listener
+def choose_user_class(environment, **_kwargs) -> None:
+    """Without a class named on the command line, the run uses the class --workload's kind calls for (the web UI's
+    class picker, where enabled, chooses again for each run). A worker keeps every class: the master names them."""
+    options = environment.parsed_options
+    if options is None or options.user_classes or options.worker:
+        return
+    kind = parse_spec(options.workload, WORKLOAD_KINDS).kind
+    environment.user_classes = [
+        {"multiturn": ConversationUser, "shared-prefix": SharedPrefixUser}.get(kind, StreamingUser)
+    ]
+
+
 class BrokenStream(Exception):
     """The E2E sample of a stream that did not end cleanly (broken stream or client timeout)."""
 
 
-class StreamingUser(HttpUser):
+class CutShort(Exception):
+    """The SESSION sample of a conversation that a turn which did not end ok cut short."""
+
+
+class BaseStreamUser(HttpUser):
+    """What every user class shares: one streamed request sent, checked and reported (:meth:`stream_request`)."""
+
+    abstract = True
     wait_time = constant(0)
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
-        seed = uuid.uuid4().int % (1 << 31)
-        arrivals = [Arrival(0.0)] * PLANNED_PER_USER
-        plan = build_plan(
-            arrivals, options.workload, input_len=options.input_len, output_len=options.output_len, seed=seed
-        )
-        exact = options.exact_output == "true"
-        self.bodies = itertools.cycle(
-            [(planned, request_body(planned, options.model, exact_output=exact)) for planned in plan]
-        )
+        self.model = options.model
+        self.exact_output = options.exact_output == "true"
         self.stall_timeout_s = parse_duration(options.stall_timeout)
         self.request_timeout_s = parse_duration(options.request_timeout)
+        # The user's own draws (suffixes, user messages, lengths): users of a run must not all send the same.
+        self.seed = uuid.uuid4().int % (1 << 31)
 
-    @task
-    def stream(self) -> None:
-        planned, body = next(self.bodies)
+    def stream_request(
+        self, planned: PlannedRequest, *, ttft_name: str, keep_text: bool = False
+    ) -> tuple[RequestRecord, str]:
+        """Streams ``planned`` and reports it (TTFT under ``ttft_name``; ITL and E2E under the path, once the stream
+        started); returns its record and, with ``keep_text``, the text as it streamed."""
         request_id = str(uuid.uuid4())  # a UUID: some servers refuse an X-Request-Id of any other shape
+        body = request_body(planned, self.model, exact_output=self.exact_output)
         sent_ts = time.perf_counter()
         tracker = StreamTracker(
-            index=0,
+            index=planned.index,
             request_id=request_id,
             scheduled_s=0.0,
             sent_ts=sent_ts,
             run_start_ts=sent_ts,
             requested_output_tokens=planned.max_tokens,
             stall_timeout_s=self.stall_timeout_s,
+            collect_text=keep_text,
         )
         with self.client.post(
             planned.path,
@@ -103,13 +158,14 @@ class StreamingUser(HttpUser):
             tracker.http_status = response.status_code
             if response.status_code != 200:
                 response.failure(f"rejected: HTTP {response.status_code}")
-                return
+                return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status_code}"), ""
             record = self._read(response, tracker)
             if record.outcome is Outcome.OK:
                 response.success()
             else:
                 response.failure(f"{record.outcome.value}: {record.error}")
-        self._report(planned.path, record)
+        self._report(planned.path, ttft_name, record)
+        return record, tracker.text
 
     def _read(self, response: requests.Response, tracker: StreamTracker) -> RequestRecord:
         try:
@@ -125,30 +181,100 @@ class StreamingUser(HttpUser):
             return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, f"{type(error).__name__}: {error}")
         return tracker.finish(time.perf_counter())
 
-    def _report(self, name: str, record: RequestRecord) -> None:
-        fire = self.environment.events.request.fire
+    def _report(self, name: str, ttft_name: str, record: RequestRecord) -> None:
         if record.ttft_s is not None:
-            fire(
-                request_type="TTFT",
-                name=name,
-                response_time=record.ttft_s * 1e3,
-                response_length=0,
-                exception=None,
-                context={},
-            )
+            self._fire("TTFT", ttft_name, record.ttft_s)
         for gap_s in record.itl_s:
-            fire(
-                request_type="ITL", name=name, response_time=gap_s * 1e3, response_length=0, exception=None, context={}
-            )
+            self._fire("ITL", name, gap_s)
         failure = None if record.outcome is Outcome.OK else BrokenStream(f"{record.outcome.value}: {record.error}")
-        fire(
-            request_type="E2E",
+        self._fire("E2E", name, record.e2e_s, length=record.output_tokens, failure=failure)
+
+    def _fire(
+        self, request_type: str, name: str, duration_s: float, *, length: int = 0, failure: Exception | None = None
+    ) -> None:
+        self.environment.events.request.fire(
+            request_type=request_type,
             name=name,
-            response_time=record.e2e_s * 1e3,
-            response_length=record.output_tokens,
+            response_time=duration_s * 1e3,
+            response_length=length,
             exception=failure,
             context={},
         )
+
+
+class StreamingUser(BaseStreamUser):
+    """Single requests of ``--workload`` (chat when that is multiturn: conversations are ConversationUser's)."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        options = self.environment.parsed_options
+        self.requests = itertools.cycle(
+            build_plan(
+                [Arrival(0.0)] * PLANNED_PER_USER,
+                self.workload(options),
+                input_len=options.input_len,
+                output_len=options.output_len,
+                seed=self.seed,
+                shared_seed=SHARED_SEED,
+            )
+        )
+
+    @staticmethod
+    def workload(options: argparse.Namespace) -> str:
+        return "chat" if is_session_workload(options.workload) else options.workload
+
+    @task
+    def stream(self) -> None:
+        planned = next(self.requests)
+        self.stream_request(planned, ttft_name=planned.path)
+
+
+class SharedPrefixUser(StreamingUser):
+    """Shared-prefix requests: ``--workload shared-prefix:...``, else ``--shared-prefix``. Every user of the run
+    sends the same prefixes (``SHARED_SEED``), each with suffixes of its own."""
+
+    @staticmethod
+    def workload(options: argparse.Namespace) -> str:
+        is_shared_prefix = parse_spec(options.workload, WORKLOAD_KINDS).kind == "shared-prefix"
+        return options.workload if is_shared_prefix else options.shared_prefix
+
+
+class ConversationUser(BaseStreamUser):
+    """Conversations one after another (``--workload multiturn:...``, else ``--conversation``), each planned as
+    ``kvstorm bench serve`` plans a session: every turn sends the conversation so far with the answers as they
+    streamed, ``think_s`` after the previous answer ended. The system prompt is the same for every user of the run.
+    A turn that does not end ok cuts its conversation short."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        options = self.environment.parsed_options
+        workload = options.workload if is_session_workload(options.workload) else options.conversation
+        self.plan = build_sessions(
+            [Arrival(0.0)] * PLANNED_PER_USER,
+            workload,
+            input_len=options.input_len,
+            output_len=options.output_len,
+            seed=self.seed,
+            shared_seed=SHARED_SEED,
+        )
+        self.sessions = itertools.cycle(self.plan.sessions)
+
+    @task
+    def converse(self) -> None:
+        conversation = Conversation(self.plan, next(self.sessions))
+        started_ts = time.perf_counter()
+        for turn in range(self.plan.num_turns):
+            if turn and self.plan.think_s:
+                gevent.sleep(self.plan.think_s)
+            record, answer = self.stream_request(
+                conversation.request(turn, 0.0), ttft_name=f"turn {turn + 1}", keep_text=True
+            )
+            if record.outcome is not Outcome.OK:
+                failure = CutShort(f"cut short at turn {turn + 1}: {record.outcome.value}")
+                self._fire("SESSION", "conversation", time.perf_counter() - started_ts, length=turn, failure=failure)
+                return
+            conversation.add_answer(record, answer)
+        self._fire("SESSION", "conversation", time.perf_counter() - started_ts, length=self.plan.num_turns)
 
 
 class KvstormShape(LoadTestShape):

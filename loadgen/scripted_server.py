@@ -6,6 +6,9 @@ Each request gets a script from its arrival order at the server: first token ``t
 absolute times, so lateness never accumulates, and the server stamps every token with ``time.perf_counter()``
 right after handing it to the socket, on the same clock as the client: ``GET /script-log`` returns those stamps,
 so a test can compare what the client measured with what the server really did, not only with what it meant to do.
+The log also says what each request asked: its prompt length in the server's stand-in for tokens (token ids of a
+token-id prompt, words of a text prompt or of every chat message), which its usage reports as ``prompt_tokens``,
+and the first ``PROMPT_HEAD_LEN`` of them.
 
 With ``--fault-plan mixed`` the order also picks a fault (``FAULT_SLOTS``), each with the outcome the client must
 report (``EXPECTED_OUTCOME``). Run it in its own process (``python -m loadgen.scripted_server --port 0``; it
@@ -61,6 +64,7 @@ EXPECTED_OUTCOME = {
 }
 STALL_BEFORE_TOKEN = {"stall_ok": 10, "stall_broken": 5}
 BREAK_AFTER_TOKENS = 7
+PROMPT_HEAD_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class StreamLog:
     gap_s: float
     stall_before_token: int | None
     stall_s: float
+    prompt_tokens: int
+    prompt_head: list[str]
     token_send_ts: list[float] = field(default_factory=list)
 
 
@@ -118,6 +124,7 @@ class ScriptedServer:
         received_ts = _arrival_ts(request)
         order = len(self.logs)
         fault = self.script.fault_for(order)
+        prompt = _prompt_tokens(body)
         stall_before = STALL_BEFORE_TOKEN.get(fault)
         log = StreamLog(
             order=order,
@@ -129,6 +136,8 @@ class ScriptedServer:
             gap_s=self.script.gap_ms / 1e3,
             stall_before_token=stall_before,
             stall_s=(self.script.long_stall_ms if fault == "stall_broken" else self.script.stall_ms) / 1e3,
+            prompt_tokens=len(prompt),
+            prompt_head=prompt[:PROMPT_HEAD_LEN],
         )
         self.logs.append(log)
         if fault.startswith("status_"):
@@ -146,7 +155,7 @@ class ScriptedServer:
         self, request: web.Request, response: web.StreamResponse, log: StreamLog, chat: bool
     ) -> None:
         newline = "\r\n" if log.fault == "keepalive" else "\n"
-        frame = _Framer(log.request_id, chat, newline)
+        frame = _Framer(log.request_id, chat, newline, log.prompt_tokens)
         if chat:
             await response.write(frame.chunk({"role": "assistant", "content": ""}, None))
         if log.fault == "client_timeout":
@@ -173,11 +182,19 @@ class ScriptedServer:
         await response.write_eof()
 
 
+def _prompt_tokens(body: dict) -> list[str]:
+    """The prompt as this server counts it, without a tokenizer: the ids of a token-id prompt, else words."""
+    if "messages" in body:
+        return [word for message in body["messages"] for word in str(message.get("content") or "").split()]
+    prompt = body.get("prompt", "")
+    return [str(token_id) for token_id in prompt] if isinstance(prompt, list) else str(prompt).split()
+
+
 class _Framer:
     """SSE bytes in the OpenAI shapes (completions or chat chunks)."""
 
-    def __init__(self, request_id: str, chat: bool, newline: str) -> None:
-        self.request_id, self.chat, self.newline = request_id, chat, newline
+    def __init__(self, request_id: str, chat: bool, newline: str, prompt_tokens: int) -> None:
+        self.request_id, self.chat, self.newline, self.prompt_tokens = request_id, chat, newline, prompt_tokens
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
     def _event(self, payload: dict) -> bytes:
@@ -192,7 +209,11 @@ class _Framer:
         return self.chunk({"content": f" t{position}"}, finish)
 
     def usage(self, completion_tokens: int) -> bytes:
-        usage = {"prompt_tokens": 8, "completion_tokens": completion_tokens, "total_tokens": 8 + completion_tokens}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
         return self._event({"id": self.request_id, "object": self.object, "choices": [], "usage": usage})
 
     def done(self) -> bytes:

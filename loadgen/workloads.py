@@ -134,9 +134,19 @@ def is_session_workload(workload: str) -> bool:
 
 
 def build_plan(
-    arrivals: list[Arrival], workload: str, *, input_len: str, output_len: str, seed: int = 0
+    arrivals: list[Arrival],
+    workload: str,
+    *,
+    input_len: str,
+    output_len: str,
+    seed: int = 0,
+    shared_seed: int | None = None,
 ) -> list[PlannedRequest]:
-    """Pair each arrival with a prompt and an output length; a trace's own lengths win over the distributions."""
+    """Pair each arrival with a prompt and an output length; a trace's own lengths win over the distributions.
+
+    ``shared_seed`` draws the shared-prefix workload's prefixes on their own (by default they are drawn with the rest
+    from ``seed``): planners of parts of one run (Locust's users) pass the same one, so that they share the prefixes
+    while each draws its own suffixes."""
     spec = parse_spec(workload, WORKLOAD_KINDS)
     if spec.kind == "multiturn":
         raise ValueError(f"{workload!r} is a session workload: plan it with loadgen.sessions.build_sessions")
@@ -147,7 +157,8 @@ def build_plan(
     sentences = corpus_sentences() if spec.kind == "chat" else []
     if spec.kind in ("random", "shared-prefix"):
         low, high = _token_id_range(spec)
-    prefixes = _shared_prefixes(spec, rng, low, high) if spec.kind == "shared-prefix" else []
+    shared_rng = rng if shared_seed is None else np.random.default_rng(shared_seed + 1)
+    prefixes = _shared_prefixes(spec, shared_rng, low, high) if spec.kind == "shared-prefix" else []
     prefixes_sent: set[int] = set()
     blocks = _TraceBlocks(seed)
     if any(arrival.block_ids for arrival in arrivals) and spec.kind != "random":

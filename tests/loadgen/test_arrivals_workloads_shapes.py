@@ -180,6 +180,20 @@ def test_multiturn_sessions_are_planned_per_arrival_and_refuse_the_single_reques
         build_plan(arrivals, "multiturn:turns=2", input_len="fixed:8", output_len="fixed:5")
 
 
+def test_planners_of_one_run_share_the_prefixes_and_system_prompt_of_their_shared_seed():
+    arrivals = make_arrivals("constant:rate=1", num_requests=8, duration_s=None)
+    lengths = {"input_len": "fixed:10", "output_len": "fixed:8"}
+    spec = "shared-prefix:num_prefixes=2,prefix_len=40"
+    one, other = (build_plan(arrivals, spec, **lengths, seed=seed, shared_seed=7) for seed in (1, 2))
+    assert {tuple(p.body["prompt"][:40]) for p in one} == {tuple(p.body["prompt"][:40]) for p in other}
+    assert len({tuple(p.body["prompt"][:40]) for p in one}) == 2
+    assert [p.body["prompt"][40:] for p in one] != [p.body["prompt"][40:] for p in other]
+    workload = "multiturn:turns=2,system_len=20"
+    one, other = (build_sessions(arrivals, workload, **lengths, seed=seed, shared_seed=7) for seed in (1, 2))
+    assert one.system_prompt == other.system_prompt
+    assert one.sessions[0].user_messages != other.sessions[0].user_messages
+
+
 def test_jsonl_workload(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "hello"}\n{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}\n')

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import urllib.request
 from pathlib import Path
 
 from chaos.injectors.processes import free_port
+from loadgen.records import Outcome
+from loadgen.scripted_server import EXPECTED_OUTCOME
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
 
 LOCUSTFILE = str(REPO_ROOT / "loadgen" / "locustfile.py")
@@ -34,6 +37,12 @@ def locust(*args: str, cwd: Path) -> subprocess.Popen:
 def read_stats(prefix: Path) -> dict[str, dict[str, str]]:
     with open(f"{prefix}_stats.csv") as file:
         return {row["Type"]: row for row in csv.DictReader(file)}
+
+
+def read_rows(prefix: Path) -> dict[tuple[str, str], dict[str, str]]:
+    """The stats CSV's rows by type and name (a conversation's TTFT has one row per turn)."""
+    with open(f"{prefix}_stats.csv") as file:
+        return {(row["Type"], row["Name"]): row for row in csv.DictReader(file)}
 
 
 def check_stats(stats: dict[str, dict[str, str]]) -> None:
@@ -103,6 +112,99 @@ def test_web_ui_swarm_shows_the_stream_request_types(tmp_path):
 
             _wait_for(lambda: counts().get("TTFT", 0) >= 4 and counts().get("ITL", 0) >= 36)
             assert counts().get("E2E", 0) >= 4
+        finally:
+            process.terminate()
+            process.communicate(timeout=30)
+
+
+def test_conversation_users_report_ttft_by_turn_and_send_the_conversation_back(tmp_path):
+    # Words stand in for tokens at the scripted server: a 30-word system prompt, 12-word user messages, and answers
+    # of 10 words (" t0" ... " t9").
+    system_words, user_words, answer_words, num_turns = 30, 12, 10, 3
+    workload = f"multiturn:turns={num_turns},system_len=40,think_s=0.1"
+    with scripted_server("--fault-plan", "mixed") as server:
+        process = locust(
+            *OPTIONS, "--host", server.base_url, "-u", "1", "-t", "6s", "--csv", str(tmp_path / "run"),
+            "--workload", workload, "--input-len", "fixed:16", cwd=tmp_path,
+        )  # fmt: skip
+        output, _ = process.communicate(timeout=60)
+        log = sorted(server.script_log().values(), key=lambda entry: entry["order"])
+    assert process.returncode in (0, 1), output  # 1: the fault plan breaks or refuses some turns
+    assert '"ConversationUser": 1' in output  # the class --workload calls for
+    rows = read_rows(tmp_path / "run")
+    ttft_counts = [int(rows[("TTFT", f"turn {turn}")]["Request Count"]) for turn in range(1, num_turns + 1)]
+    # A turn is sent only after the one before it ended ok; the broken and the refused turns cut conversations short.
+    assert ttft_counts == sorted(ttft_counts, reverse=True), ttft_counts
+    assert ttft_counts[0] > ttft_counts[-1] >= 1, ttft_counts
+    sessions = rows[("SESSION", "conversation")]
+    assert int(sessions["Failure Count"]) >= 1
+    assert int(sessions["Request Count"]) > int(sessions["Failure Count"])
+
+    # One user: the server saw the turns in order. Each turn sends the one before it, its answer and a new message;
+    # a conversation starts over after its last turn or a turn that did not end ok.
+    first_turn_words = system_words + user_words
+    last_turn_words = first_turn_words + (num_turns - 1) * (answer_words + user_words)
+    expected, previous = [], None
+    for entry in log:
+        goes_on = (
+            previous is not None
+            and EXPECTED_OUTCOME[previous["fault"]] is Outcome.OK
+            and previous["prompt_tokens"] < last_turn_words
+        )
+        expected.append(previous["prompt_tokens"] + answer_words + user_words if goes_on else first_turn_words)
+        previous = entry
+    assert [entry["prompt_tokens"] for entry in log] == expected
+    assert last_turn_words in expected
+    second_turn = next(entry for entry in log if entry["prompt_tokens"] == first_turn_words + answer_words + user_words)
+    answer = second_turn["prompt_head"][first_turn_words : first_turn_words + answer_words]
+    assert answer == [f"t{position}" for position in range(answer_words)]  # the answer as it streamed
+
+
+def test_shared_prefix_users_share_the_prefixes_not_the_suffixes(tmp_path):
+    prefix_len = 16
+    with scripted_server() as server:
+        process = locust(
+            *OPTIONS, "--host", server.base_url, "-u", "2", "-r", "2", "-t", "3s",
+            "--workload", f"shared-prefix:num_prefixes=1,prefix_len={prefix_len}", "--input-len", "fixed:8",
+            cwd=tmp_path,
+        )  # fmt: skip
+        output, _ = process.communicate(timeout=60)
+        log = sorted(server.script_log().values(), key=lambda entry: entry["received_ts"])
+    assert process.returncode == 0, output
+    assert '"SharedPrefixUser": 2' in output
+    assert {entry["prompt_tokens"] for entry in log} == {prefix_len + 8}
+    # A user sends its next request after its stream ended (150 + 9 x 20 ms): two requests closer than that in time
+    # come from the two users.
+    pairs = [(a, b) for a, b in itertools.pairwise(log) if b["received_ts"] - a["received_ts"] < 0.2]
+    assert pairs
+    for earlier, later in pairs:
+        assert earlier["prompt_head"][:prefix_len] == later["prompt_head"][:prefix_len]
+    assert len({tuple(entry["prompt_head"][:prefix_len]) for entry in log}) == 1
+    assert len({tuple(entry["prompt_head"]) for entry in log}) == len(log)  # suffixes of their own
+
+
+def test_web_ui_class_picker_runs_the_ticked_class(tmp_path):
+    web_port = free_port()
+    with scripted_server() as server:
+        process = locust(
+            "--host", server.base_url, "--model", "m", "--output-len", "fixed:10", "--input-len", "fixed:8",
+            "--conversation", "multiturn:turns=2,system_len=20", "--class-picker", "--web-host", "127.0.0.1",
+            "--web-port", str(web_port), cwd=tmp_path,
+        )  # fmt: skip
+        try:
+            ui = f"http://127.0.0.1:{web_port}"
+            _wait_for(lambda: urllib.request.urlopen(ui, timeout=1).status == 200)
+            form = {"user_count": 2, "spawn_rate": 2, "host": server.base_url, "user_classes": "ConversationUser"}
+            started = json.load(urllib.request.urlopen(f"{ui}/swarm", data=urllib.parse.urlencode(form).encode()))
+            assert started["success"], started
+
+            def counts() -> dict[tuple[str, str], int]:
+                stats = json.load(urllib.request.urlopen(f"{ui}/stats/requests", timeout=5))["stats"]
+                return {(row["method"], row["name"]): row["num_requests"] for row in stats}
+
+            _wait_for(lambda: counts().get(("SESSION", "conversation"), 0) >= 2)
+            assert counts().get(("TTFT", "turn 2"), 0) >= 2
+            assert not [key for key in counts() if key[0] == "TTFT" and not key[1].startswith("turn ")]
         finally:
             process.terminate()
             process.communicate(timeout=30)
