@@ -7,7 +7,8 @@ Each returns something JSON-able for the journal and records what it did (loads,
 - ``measure_target``: the server's capacity and KV size (``chaos.run.sizing``), for the loads sized from them;
 - ``run_load``: the load generator, to the end of the load (declare it ``background: true`` so the faults that
   follow in the method happen during it); its rates can be multiples of the measured capacity and its request
-  count a multiple of the measured KV size;
+  count a multiple of the measured KV size; a load can itself be the fault (``as_fault``: a flood of unrelated
+  prompts that evicts a prefix cache, on any server);
 - ``set_engine_faults`` / ``clear_engine_faults``: ``/admin/faults`` (``engine/faults.py``) with a lease, so the
   engine clears them by itself if this process dies;
 - ``start_proxy`` / ``set_proxy_faults`` / ``reset_proxy_connections`` / ``clear_proxy_faults`` / ``stop_proxy``:
@@ -72,12 +73,14 @@ def run_load(
     metrics_url: str | None = None,
     rate_unit: str = "req/s",
     kv_multiple: float | None = None,
+    as_fault: bool = False,
 ) -> dict[str, Any]:
     """An open-loop load (``kvstorm bench serve``'s arrival, workload and length specs) run to its end.
 
     Sized from the target (after ``measure_target``): ``rate_unit: capacity`` reads every rate of ``arrival`` as a
     multiple of the measured capacity; ``kv_multiple`` sends as many requests as hold that many times the server's
-    KV cache once fully generated (instead of ``num_requests``)."""
+    KV cache once fully generated (instead of ``num_requests``). ``as_fault``: the load is the experiment's fault
+    (traffic that disrupts the main load), so its time is a fault window, ``traffic:NAME``."""
     if rate_unit not in ("req/s", "capacity"):
         raise ValueError(f"rate_unit={rate_unit!r}: expected req/s or capacity")
     if rate_unit == "capacity":
@@ -102,7 +105,13 @@ def run_load(
         stall_timeout_s=stall_timeout_s,
         seed=seed,
     )
-    load = loads.run_load(name, config, metrics_url)
+    window = f"traffic:{name}"
+    if as_fault:
+        current().fault_on(window)
+    try:
+        load = loads.run_load(name, config, metrics_url)
+    finally:
+        current().fault_off(window)
     return {"arrival": arrival, "num_requests_cap": num_requests, **loads.summary_of(load.result)}
 
 

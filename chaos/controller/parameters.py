@@ -239,6 +239,12 @@ SCHEMAS: dict[str, Schema] = {
     "capacity_concurrency": Number(1, 64, is_int=True),
     "capacity_requests": Number(1, 256, is_int=True),
     "kv_multiple": Number(0.5, 8),
+    # A second load that is the fault: unrelated traffic from a point of the main load.
+    "flood_after_s": _SECONDS,
+    "flood_arrival": ArrivalSpec(),
+    "flood_for_s": Number(1, MAX_DURATION_S, unit="s"),
+    "flood_input_len": LengthSpec(),
+    "flood_output_len": LengthSpec(),
 }
 
 

@@ -20,10 +20,11 @@ from chaos.judgement.slo_check import SloResult, evaluate_all, run_spec
 from chaos.run.metrics import EngineActivity, PrefixCachePhases, prefix_cache_phases, time_to_recover
 from chaos.run.sizing import TargetSize
 from chaos.run.state import RunState
-from loadgen.analysis import Summary
-from loadgen.results import FaultWindow
+from loadgen.analysis import LatencyStats, PrefixReuse, Summary, prefix_reuse
+from loadgen.records import Outcome
+from loadgen.results import FaultWindow, RunResult
 
-SECONDS_PROBES = ("load_latency", "settled")
+SECONDS_PROBES = ("load_latency", "settled", "prefix_cache_recovery_s")
 # Every status a verdict can have, with its exit status: 0 only for HELD; 1 when the steady state was missed (before
 # the method: NOT RUN, nothing was injected; after it: DEVIATED); 2 when the run itself did not go through.
 STATUSES = {
@@ -52,6 +53,15 @@ class Check:
 
 
 @dataclass(frozen=True)
+class LoadPhase:
+    """The main load's ok requests sent in one phase of a run: their TTFT, and the prompt tokens they shared with
+    earlier requests and the server said it served from its cache (their usage; None when they share nothing)."""
+
+    ttft: LatencyStats | None
+    reuse: PrefixReuse | None
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What one run established. ``status`` is a key of ``STATUSES`` (``judge``), ``reason`` says why in words."""
 
@@ -62,8 +72,10 @@ class Verdict:
     load: Summary | None = None
     activity: EngineActivity | None = None
     recovery_s: float | None = None
-    # The prefix cache's hit rate before, during and after the faults (None: no fault, or no such counters).
+    # The prefix cache before, during and after the faults (None: no fault, or no such counters).
     prefix_cache: PrefixCachePhases | None = None
+    # The main load's ok requests sent before the first fault, while faults were on, and after the last.
+    load_phases: tuple[LoadPhase, LoadPhase, LoadPhase] | None = None
     fault_windows: list[FaultWindow] = field(default_factory=list)
     restarts_s: list[float] = field(default_factory=list)
     storms: list[dict[str, Any]] = field(default_factory=list)
@@ -135,6 +147,7 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         activity=activity,
         recovery_s=None if main is None else time_to_recover(main.samples, state.fault_windows),
         prefix_cache=None if main is None else prefix_cache_phases(main.samples, state.fault_windows),
+        load_phases=None if main is None or main.result is None else load_phases(main.result, state.fault_windows),
         fault_windows=list(state.fault_windows),
         restarts_s=list(state.restarts),
         storms=storms,
@@ -143,6 +156,25 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         arrival=main.result.config.arrival if main is not None and main.result is not None else None,
         target_size=state.target_size,
     )
+
+
+def load_phases(result: RunResult, fault_windows: list[FaultWindow]) -> tuple[LoadPhase, LoadPhase, LoadPhase] | None:
+    """The ok requests sent before the first fault, between it and the end of the last, and after; None without a
+    fault."""
+    if not fault_windows:
+        return None
+    first_start = min(w.start_unix for w in fault_windows)
+    last_end = max(w.end_unix for w in fault_windows)
+    phases: tuple[list, list, list] = ([], [], [])
+    for record in result.records:
+        if record.outcome is Outcome.OK:
+            sent_unix = result.start_unix + record.sent_s
+            phases[0 if sent_unix < first_start else 1 if sent_unix < last_end else 2].append(record)
+    before, during, after = (
+        LoadPhase(LatencyStats.of([r.ttft_s for r in records if r.ttft_s is not None]), prefix_reuse(records))
+        for records in phases
+    )
+    return before, during, after
 
 
 def _not_measured(storms: list[dict[str, Any]], slos: list[SloResult]) -> str:

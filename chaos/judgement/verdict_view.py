@@ -13,7 +13,7 @@ from rich.text import Text
 
 from chaos.injectors.disconnects import NOT_EXPORTED
 from chaos.judgement.verdict import Check, Verdict
-from chaos.run.metrics import EngineActivity
+from chaos.run.metrics import RECOVERED_SHARE, RECOVERY_WINDOW_S, EngineActivity
 from chaos.run.sizing import CACHE_CONFIG_SERIES, TargetSize
 from dashboards.slo import GUARDRAIL_FOR_S, Slo
 from loadgen.records import Outcome
@@ -248,12 +248,32 @@ def _timeline(verdict: Verdict) -> Section:
     if verdict.fault_windows:
         recovery = "not within the load" if verdict.recovery_s is None else _seconds(verdict.recovery_s)
         rows.append(("time to recover (last fault off -> backlog back to its pre-fault level)", recovery))
+    if verdict.load_phases is not None:
+        for stat in ("p50", "p99"):
+            cells = " / ".join(_ms(p.ttft.stat(stat)) if p.ttft else "-" for p in verdict.load_phases)
+            rows.append((f"TTFT {stat} of the load's requests sent before / during / after the faults", cells))
+        if any(p.reuse and p.reuse.measured_fraction is not None for p in verdict.load_phases):
+            cached = " / ".join(
+                "-" if p.reuse is None or p.reuse.measured_fraction is None else f"{p.reuse.measured_fraction:.0%}"
+                for p in verdict.load_phases
+            )
+            rows.append(("the load's prompt tokens served from the cache (its usage) before / during / after", cached))
     if verdict.prefix_cache is not None:
-        phases = verdict.prefix_cache
-        rates = " / ".join(
-            "-" if rate is None else f"{rate:.0%}" for rate in (phases.before, phases.during, phases.after)
+        phases = (verdict.prefix_cache.before, verdict.prefix_cache.during, verdict.prefix_cache.after)
+        rates = " / ".join("-" if p.hit_rate is None else f"{p.hit_rate:.0%}" for p in phases)
+        rows.append(("server's prefix cache hit rate before / during / after (all its traffic, prompt tokens)", rates))
+        computed = " / ".join(
+            "-" if p.computed_tokens_per_s is None else f"{p.computed_tokens_per_s:.0f}" for p in phases
         )
-        rows.append(("prefix cache hit rate before / during / after the faults (prompt tokens)", rates))
+        rows.append(("prompt tokens computed per second before / during / after (looked up, not cached)", computed))
+        recovery = verdict.prefix_cache.hit_rate_recovery_s
+        rows.append(
+            (
+                f"hit rate back to {RECOVERED_SHARE:.0%} of its rate before (last fault off -> over "
+                f"{RECOVERY_WINDOW_S:g} s)",
+                "not within the load" if recovery is None else _seconds(recovery),
+            )
+        )
     rows += [("restart: time to ready", _seconds(ready_s)) for ready_s in verdict.restarts_s]
     if not rows:
         rows.append(("no fault was injected", "-"))

@@ -190,14 +190,31 @@ def time_to_recover(samples: list[MetricsSample], fault_windows: list[FaultWindo
     return next((s.unix_s - last_end for s in samples if s.unix_s >= last_end and backlog(s) <= normal), None)
 
 
+# The hit rate has recovered once it is back to this share of its rate before the faults, over this trailing window.
+RECOVERED_SHARE = 0.9
+RECOVERY_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
+class CachePhase:
+    """The prefix cache in one phase of a run, from the server's counters: the hit rate (hit over queried prompt
+    tokens; None when no prompt was looked up), and the prompt tokens it had to compute per second (queried but
+    missed: the prefill the cache did not spare)."""
+
+    hit_rate: float | None
+    computed_tokens_per_s: float | None
+
+
 @dataclass(frozen=True)
 class PrefixCachePhases:
-    """The prefix cache's hit rate (the server's hit over queried prompt tokens, vLLM's counters) before the first
-    fault, while faults were on, and after the last one ended; None for a phase in which no prompt was looked up."""
+    """The prefix cache before the first fault, while faults were on, and after the last one ended; and how long
+    after the last fault the hit rate took to come back to ``RECOVERED_SHARE`` of its rate before (over the trailing
+    ``RECOVERY_WINDOW_S``; None when it did not within the load, or had no rate before)."""
 
-    before: float | None
-    during: float | None
-    after: float | None
+    before: CachePhase
+    during: CachePhase
+    after: CachePhase
+    hit_rate_recovery_s: float | None
 
 
 def prefix_cache_phases(samples: list[MetricsSample], fault_windows: list[FaultWindow]) -> PrefixCachePhases | None:
@@ -206,18 +223,36 @@ def prefix_cache_phases(samples: list[MetricsSample], fault_windows: list[FaultW
         return None
     first_start = min(w.start_unix for w in fault_windows)
     last_end = max(w.end_unix for w in fault_windows)
-
-    def last_at(unix_s: float) -> MetricsSample:
-        return next((s for s in reversed(samples) if s.unix_s <= unix_s), samples[0])
-
-    def hit_rate(start: MetricsSample, end: MetricsSample) -> float | None:
-        queried = end.total("vllm:prefix_cache_queries_total") - start.total("vllm:prefix_cache_queries_total")
-        hits = end.total("vllm:prefix_cache_hits_total") - start.total("vllm:prefix_cache_hits_total")
-        return hits / queried if queried > 0 else None
-
-    fault_on, fault_off = last_at(first_start), last_at(last_end)
+    fault_on, fault_off = _last_at(samples, first_start), _last_at(samples, last_end)
+    before = cache_phase(samples[0], fault_on)
+    recovery_s = None
+    if before.hit_rate:
+        for sample in samples:
+            if sample.unix_s <= last_end:
+                continue
+            window_start = _last_at(samples, max(last_end, sample.unix_s - RECOVERY_WINDOW_S))
+            rate = cache_phase(window_start, sample).hit_rate
+            if rate is not None and rate >= RECOVERED_SHARE * before.hit_rate:
+                recovery_s = sample.unix_s - last_end
+                break
     return PrefixCachePhases(
-        before=hit_rate(samples[0], fault_on),
-        during=hit_rate(fault_on, fault_off),
-        after=hit_rate(fault_off, samples[-1]),
+        before=before,
+        during=cache_phase(fault_on, fault_off),
+        after=cache_phase(fault_off, samples[-1]),
+        hit_rate_recovery_s=recovery_s,
+    )
+
+
+def _last_at(samples: list[MetricsSample], unix_s: float) -> MetricsSample:
+    return next((s for s in reversed(samples) if s.unix_s <= unix_s), samples[0])
+
+
+def cache_phase(start: MetricsSample, end: MetricsSample) -> CachePhase:
+    """The prefix cache between two scrapes of one server."""
+    queried = end.total("vllm:prefix_cache_queries_total") - start.total("vllm:prefix_cache_queries_total")
+    hits = end.total("vllm:prefix_cache_hits_total") - start.total("vllm:prefix_cache_hits_total")
+    seconds = end.unix_s - start.unix_s
+    return CachePhase(
+        hit_rate=hits / queried if queried > 0 else None,
+        computed_tokens_per_s=(queried - hits) / seconds if seconds > 0 else None,
     )

@@ -273,7 +273,7 @@ def test_a_kv_cap_evicts_the_prefix_cache_and_the_report_shows_the_hit_rate_fall
     verdict = (run_dir / "verdict.md").read_text()
     assert code == 0, verdict
     row = re.search(
-        r"\| prefix cache hit rate before / during / after the faults.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict
+        r"\| server.s prefix cache hit rate before / during / after.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict
     )
     assert row, verdict
     before, during, after = (int(value) for value in row.groups())
@@ -283,4 +283,34 @@ def test_a_kv_cap_evicts_the_prefix_cache_and_the_report_shows_the_hit_rate_fall
     assert "prefix cache hit rate" in report
     load = json.loads((run_dir / "load.json").read_text())
     assert load["summary"]["sessions"]["completed"] == load["summary"]["sessions"]["num_sessions"] > 5
+    assert_no_fault_left(kvstorm_server)
+
+
+THRASH_EXPERIMENT = EXPERIMENTS_DIR / "prefix-cache-thrash.yaml"
+
+
+def test_a_flood_of_unrelated_prompts_thrashes_the_prefix_cache_and_the_verdict_times_its_recovery(
+    kvstorm_server, tmp_path
+):
+    """Two hot prefixes at a request a second; 8 s into it, 768-token prompts of random tokens, one a second for 8 s
+    (two of them fill the 88-block pool). The steady load's own cached share (its usage) falls while the flood runs
+    and comes back after, its TTFT rises with it, and the verdict times the hit rate's return; no engine fault is
+    used (the flood is the fault window)."""
+    settings = {"duration_s": 30, "flood_after_s": 8, "flood_for_s": 8, "flood_arrival": "poisson:rate=1"}
+    code, run_dir = kvstorm_chaos_run(THRASH_EXPERIMENT, kvstorm_server.url, tmp_path / "kvstorm", settings)
+    verdict = (run_dir / "verdict.md").read_text()
+    assert code == 0, verdict
+    cached = re.search(r"\| the load's prompt tokens served from the cache.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict)
+    assert cached, verdict
+    before, during, after = (int(value) for value in cached.groups())
+    assert during + 20 < before, verdict
+    assert during + 20 < after, verdict
+    ttft = re.search(r"\| TTFT p50 of the load's requests .*? \| (\d+) ms / (\d+) ms / (\d+) ms \|", verdict)
+    assert ttft, verdict
+    assert int(ttft[2]) > 2 * int(ttft[1]), verdict
+    recovery = re.search(r"\| hit rate back to 90% of its rate before .*? \| ([\d.]+) s \|", verdict)
+    assert recovery, verdict
+    assert float(recovery[1]) <= 15, verdict
+    assert "| traffic:flood |" in verdict
+    assert "engine:" not in verdict
     assert_no_fault_left(kvstorm_server)
