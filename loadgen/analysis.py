@@ -21,6 +21,8 @@ from loadgen.records import Outcome, RequestRecord
 from loadgen.spec import parse_duration
 
 METRICS = ("ttft", "tpot", "itl", "e2e")
+# The summary's TTFT counted from the scheduled send, as the tables label it.
+LATE_TTFT_ROW = ("ttft_from_schedule", "TTFT from its scheduled send")
 STATS = {"mean": None, "p50": 50, "p90": 90, "p95": 95, "p99": 99, "max": 100}
 
 
@@ -117,11 +119,19 @@ class SessionCounts(BaseModel):
     num_turns: int
     completed: int
     cut_short: int
+    # Of the completed sessions: seconds from the first turn's send to the last answer's end (think times included).
+    duration: LatencyStats | None = None
 
     def describe(self) -> str:
+        took = (
+            ""
+            if self.duration is None
+            else f" Completed sessions took {self.duration.p50:.1f} s (p50), {self.duration.p99:.1f} s (p99) from the "
+            "first question to the last answer."
+        )
         return (
             f"{self.num_sessions} sessions of {self.num_turns} turns: {self.completed} completed, {self.cut_short} cut "
-            "short by a turn that did not end ok."
+            f"short by a turn that did not end ok.{took}"
         )
 
 
@@ -136,6 +146,9 @@ class Summary(BaseModel):
     itl: LatencyStats | None
     e2e: LatencyStats | None
     send_lag: LatencyStats | None
+    # TTFT counted from when the request was meant to leave, not from when it left: the client's own lateness
+    # (a client that fell behind, a client-side concurrency cap) counts against it, as coordinated omission demands.
+    ttft_from_schedule: LatencyStats | None = None
     peak_in_flight: int
     num_short_outputs: int
     slos: list[SloResult]
@@ -191,6 +204,7 @@ def summarize(
         request_throughput=len(ok) / duration_s,
         output_token_throughput=sum(r.output_tokens for r in ok) / duration_s,
         send_lag=LatencyStats.of([r.sent_s - r.scheduled_s for r in records]),
+        ttft_from_schedule=LatencyStats.of([r.sent_s - r.scheduled_s + r.ttft_s for r in ok if r.ttft_s is not None]),
         peak_in_flight=peak_in_flight(records),
         num_short_outputs=sum(r.output_tokens < r.requested_output_tokens for r in ok),
         slos=slo_results,
@@ -261,11 +275,15 @@ def session_counts(records: list[RequestRecord], num_turns: int) -> SessionCount
     for record in records:
         if record.session is not None:
             sessions.setdefault(record.session, []).append(record)
-    completed = sum(
-        len(turns) == num_turns and all(r.outcome is Outcome.OK for r in turns) for turns in sessions.values()
-    )
+    completed = [
+        turns for turns in sessions.values() if len(turns) == num_turns and all(r.outcome is Outcome.OK for r in turns)
+    ]
     return SessionCounts(
-        num_sessions=len(sessions), num_turns=num_turns, completed=completed, cut_short=len(sessions) - completed
+        num_sessions=len(sessions),
+        num_turns=num_turns,
+        completed=len(completed),
+        cut_short=len(sessions) - len(completed),
+        duration=LatencyStats.of([max(r.end_s for r in turns) - min(r.sent_s for r in turns) for turns in completed]),
     )
 
 
@@ -388,5 +406,14 @@ def advisories(
             f"The workload could have been served {reuse.expected_fraction:.0%} of its prompt tokens from a prefix "
             "cache, but the server reported no usage.prompt_tokens_details.cached_tokens: its hit rate is unmeasured "
             "here (vLLM sends it with --enable-prompt-tokens-details; its /metrics has vllm:prefix_cache_hits)."
+        )
+    first = min(records, key=lambda r: r.sent_s, default=None)
+    if first is not None and first.outcome is Outcome.OK and first.cached_tokens:
+        notes.append(
+            f"The run's first request was served {first.cached_tokens} of its prompt tokens from the server's prefix "
+            "cache, which nothing of this run had filled: the cache was warm from earlier traffic (an earlier run "
+            "with the same --seed sends the same prompts), so hit rates and TTFT here are better than a cold start's. "
+            "Reset the cache between runs (kvstorm: POST /admin/reset_prefix_cache), restart the server, or change "
+            "--seed."
         )
     return notes

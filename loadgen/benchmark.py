@@ -8,7 +8,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 
-from loadgen.analysis import TURN_COLUMNS, Summary, advisories, describe_rates, parse_slos, summarize
+from loadgen.analysis import LATE_TTFT_ROW, TURN_COLUMNS, Summary, advisories, describe_rates, parse_slos, summarize
 from loadgen.arrivals import ARRIVAL_KINDS, make_arrivals
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
@@ -111,12 +111,12 @@ def summary_markdown(result: RunResult) -> str:
         "| ms | mean | p50 | p90 | p99 | max |",
         "|---|---|---|---|---|---|",
     ]
-    for metric in ("ttft", "tpot", "itl", "e2e"):
+    for metric, label in (*((m, m.upper()) for m in ("ttft", "tpot", "itl", "e2e")), LATE_TTFT_ROW):
         stats = getattr(s, metric)
         cells = " | ".join(
             f"{getattr(stats, k) * 1e3:.1f}" if stats else "-" for k in ("mean", "p50", "p90", "p99", "max")
         )
-        lines.append(f"| {metric.upper()} | {cells} |")
+        lines.append(f"| {label} | {cells} |")
     lines += _detail_lines(s)
     for slo_result in s.slos:
         observed = "-" if slo_result.observed_s is None else f"{slo_result.observed_s * 1e3:.1f} ms"

@@ -2,7 +2,8 @@
 
 One figure shares the run's time axis (seconds since the start): arrival rate, outcomes, latency percentiles and,
 when a Prometheus URL was given, the server's KV usage, running / waiting / swapped requests and preemption rate;
-fault windows are shaded bands across all of it. A second figure holds the latency CDFs. A stacked report puts
+fault windows are shaded bands across all of it. A second figure holds the latency CDFs; a multi-turn run's third,
+TTFT and cached prompt tokens by turn. A stacked report puts
 several runs' timelines one above the other on one time axis (``kvstorm chaos compare``).
 """
 
@@ -16,7 +17,15 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from loadgen.analysis import TURN_COLUMNS, LatencyStats, TimeSeries, TurnStats, describe_rates, time_series
+from loadgen.analysis import (
+    LATE_TTFT_ROW,
+    TURN_COLUMNS,
+    LatencyStats,
+    TimeSeries,
+    TurnStats,
+    describe_rates,
+    time_series,
+)
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 
@@ -64,6 +73,8 @@ def write_report(
             _timeline(result, bucket_s).to_html(full_html=False, include_plotlyjs=True),
             _cdfs(result).to_html(full_html=False, include_plotlyjs=False),
         ]
+        if result.summary.turns:
+            parts.append(_by_turn(result.summary.turns).to_html(full_html=False, include_plotlyjs=False))
     title = title or ("kvstorm report" if result is None else f"kvstorm bench serve {result.run_id}")
     _write_page(path, title, parts)
 
@@ -218,6 +229,26 @@ def _cdfs(result: RunResult) -> go.Figure:
     return fig
 
 
+def _by_turn(turns: list[TurnStats]) -> go.Figure:
+    """A multi-turn run by turn index: TTFT percentiles of the ok requests, and how much of their prompts (which
+    grow with the conversation) the server said it served from its prefix cache."""
+    fig = make_subplots(
+        rows=1, cols=2, subplot_titles=["TTFT by turn (ms)", "prompt tokens by turn: mean sent, mean cached"]
+    )
+    x = [turn.turn for turn in turns]
+    for stat in ("p50", "p90", "p99"):
+        y = [None if turn.ttft is None else turn.ttft.stat(stat) * 1e3 for turn in turns]
+        dash = PERCENTILE_DASH.get(stat, "solid")
+        fig.add_trace(go.Scatter(x=x, y=y, name=f"ttft {stat}", mode="lines+markers", line={"dash": dash}), 1, 1)
+    fig.add_trace(go.Bar(x=x, y=[turn.mean_prompt_tokens for turn in turns], name="prompt tokens (mean)"), 1, 2)
+    if any(turn.cached_tokens is not None for turn in turns):
+        cached = [None if t.cached_tokens is None or not t.num_ok else t.cached_tokens / t.num_ok for t in turns]
+        fig.add_trace(go.Bar(x=x, y=cached, name="cached tokens (mean, the server's usage)"), 1, 2)
+    fig.update_xaxes(title_text="turn", dtick=1)
+    fig.update_layout(height=380, barmode="overlay", title="By turn (ok requests)")
+    return fig
+
+
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
@@ -226,7 +257,7 @@ def _summary_html(result: RunResult) -> str:
     summary, config = result.summary, result.config
     outcome_cells = "".join(f"<td>{html.escape(o.value)}: <b>{n}</b></td>" for o, n in summary.outcomes.items())
     latency_rows = ""
-    for metric, label in LATENCY_ROWS:
+    for metric, label in (*LATENCY_ROWS, LATE_TTFT_ROW):
         stats: LatencyStats | None = getattr(summary, metric)
         cells = "".join(
             f"<td>{_ms(getattr(stats, s) if stats else None)}</td>" for s in ("mean", "p50", "p90", "p99", "max")
@@ -255,7 +286,9 @@ def _summary_html(result: RunResult) -> str:
 <b>{summary.output_token_throughput:.1f}</b> output tokens/s</li>{goodput}</ul>
 <h2>Latency of ok requests (ms)</h2>
 <table><tr><th></th><th>mean</th><th>p50</th><th>p90</th><th>p99</th><th>max</th><th>count</th></tr>{latency_rows}</table>
-<p>TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM's benchmark defines it; ITL pools every gap between tokens.</p>
+<p>TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM's benchmark defines it; ITL pools every gap between tokens.
+Latencies count from each request's real send; the last row counts TTFT from its scheduled send, so a client that
+fell behind its schedule shows there.</p>
 {_turns_html(summary.turns or [])}
 {_SLO_TABLE.format(rows=slo_rows) if slo_rows else ""}
 {f"<h2>Read before trusting the numbers</h2><ul>{notes}</ul>" if notes else ""}

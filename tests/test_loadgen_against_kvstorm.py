@@ -6,12 +6,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import time
 
 import requests
 
+from loadgen.arrivals import Arrival
+from loadgen.client import StreamingClient
 from loadgen.records import Outcome
 from loadgen.results import RunResult
+from loadgen.sessions import Conversation, build_sessions
 from tests.engine.serving.conftest import make_engine, metric_value, running_server
 from tests.loadgen.conftest import run_bench_serve, run_bench_serve_with_output
 
@@ -63,9 +68,48 @@ def test_multiturn_sessions_send_the_conversation_back_and_the_prefix_cache_serv
             assert after.shared_prefix_tokens == before.prompt_tokens + before.output_tokens
             assert after.cached_tokens >= (before.prompt_tokens + before.output_tokens) // 16 * 16 - 16
     summary = result.summary
-    assert summary.sessions.model_dump() == {"num_sessions": 3, "num_turns": 3, "completed": 3, "cut_short": 0}
+    sessions = summary.sessions
+    assert (sessions.num_sessions, sessions.num_turns, sessions.completed, sessions.cut_short) == (3, 3, 3, 0)
+    session_spans = [
+        max(r.end_s for r in result.records if r.session == s) - min(r.sent_s for r in result.records if r.session == s)
+        for s in range(3)
+    ]
+    assert sessions.duration.max == max(session_spans)
     assert [(t.turn, t.num_sent, t.num_ok) for t in summary.turns] == [(1, 3, 3), (2, 3, 3), (3, 3, 3)]
     assert summary.prefix_reuse.measured_fraction > 0.5
+    assert "TTFT by turn (ms)" in json_path.with_suffix(".html").read_text()
+
+
+def test_each_turn_sends_exactly_the_conversation_so_far_with_its_answers_as_they_streamed(real_model, real_tokenizer):
+    """Turn k's prompt as the server counts it (its usage) is the chat template over the system prompt, every earlier
+    question with its answer as it streamed, and the new question: nothing dropped, nothing added."""
+    plan = build_sessions([Arrival(0.0)], "multiturn:turns=4,system_len=40", input_len="fixed:8", output_len="fixed:5")
+    conversation = Conversation(plan, plan.sessions[0])
+
+    async def converse(url: str) -> list:
+        sent = []
+        async with StreamingClient(
+            url, "smollm2-135m", request_timeout_s=60, stall_timeout_s=30, extra_body={"temperature": 0}
+        ) as client:
+            for turn in range(plan.num_turns):
+                request = conversation.request(turn, 0.0)
+                record, answer = await client.send_for_text(
+                    request, request_id=f"turn-{turn}", run_start_ts=time.perf_counter()
+                )
+                assert record.outcome is Outcome.OK, record.error
+                sent.append((record, request.body["messages"], answer))
+                conversation.add_answer(record, answer)
+        return sent
+
+    with running_server(make_engine(real_model, real_tokenizer)) as server:
+        sent = asyncio.run(converse(server.url))
+    for turn, (record, messages, _) in enumerate(sent):
+        assert [m["role"] for m in messages] == ["system"] + ["user", "assistant"] * turn + ["user"]
+        assert [m["content"] for m in messages[2::2]] == [answer for _, _, answer in sent[:turn]]
+        assert record.prompt_tokens == len(real_tokenizer.apply_chat_template(messages))
+        assert record.output_tokens == 5
+    for (before, _, _), (after, _, _) in itertools.pairwise(sent):
+        assert after.prompt_tokens > before.prompt_tokens + before.output_tokens
 
 
 def test_a_turn_the_server_refuses_ends_its_session(real_model, real_tokenizer, tmp_path):
@@ -85,19 +129,25 @@ def test_a_turn_the_server_refuses_ends_its_session(real_model, real_tokenizer, 
         (2, Outcome.OK, 200),
         (3, Outcome.REJECTED, 400),
     ]
-    assert short.summary.sessions.model_dump() == {"num_sessions": 2, "num_turns": 4, "completed": 0, "cut_short": 2}
+    sessions = short.summary.sessions
+    assert (sessions.num_sessions, sessions.num_turns, sessions.completed, sessions.cut_short) == (2, 4, 0, 2)
+    assert sessions.duration is None  # no session completed
 
 
 def test_a_shared_prefix_workload_says_what_reuse_it_offers_and_what_the_server_served(
     real_model, real_tokenizer, tmp_path
 ):
+    """And a second run with the same seed into the same server, whose cache the first one warmed, is told so."""
+    args = (
+        "--model", "smollm2-135m", "--workload", "shared-prefix:num_prefixes=2,prefix_len=64",
+        "--input-len", "fixed:16", "--output-len", "fixed:2", "--arrival", "constant:rate=4",
+        "--num-requests", "8", "--request-timeout", "60s",
+    )  # fmt: skip
     with running_server(make_engine(real_model, real_tokenizer, max_num_seqs=8)) as server:
-        json_path, printed = run_bench_serve_with_output(
-            server.url, tmp_path,
-            "--model", "smollm2-135m", "--workload", "shared-prefix:num_prefixes=2,prefix_len=64",
-            "--input-len", "fixed:16", "--output-len", "fixed:2", "--arrival", "constant:rate=4",
-            "--num-requests", "8", "--request-timeout", "60s",
-        )  # fmt: skip
+        json_path, printed = run_bench_serve_with_output(server.url, tmp_path / "cold", *args)
+        _, printed_again = run_bench_serve_with_output(server.url, tmp_path / "warm", *args)
+    assert "the cache was warm from earlier traffic" not in printed
+    assert "The run's first request was served 64 of its prompt tokens" in printed_again
     result = RunResult.read(json_path)
     reuse = result.summary.prefix_reuse
     assert reuse.prompt_tokens == 8 * 80

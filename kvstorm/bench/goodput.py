@@ -253,9 +253,10 @@ def _seconds(value_s: float | None) -> str:
 
 def _markdown(args, capacity: float, search_log: list[str], rows: list[GoodputRow], html_path: Path) -> str:
     lines = [
-        f"`kvstorm serve {args.server_args}` on the bundled {args.model}, a fresh server per run; Poisson arrivals "
-        f"for {args.duration:g} s, prompts `{args.input_len}`, outputs `{args.output_len}` (exact); SLOs TTFT p99 "
-        f"<= {args.ttft_slo} and TPOT p99 <= {args.tpot_slo}; goodput counts the requests that met both, per "
+        f"`kvstorm serve {args.server_args}` on the bundled {args.model}, a fresh server per run (so every point "
+        "starts from a cold prefix cache, whatever the seed: no point is served what an earlier one sent); Poisson "
+        f"arrivals for {args.duration:g} s, prompts `{args.input_len}`, outputs `{args.output_len}` (exact); SLOs "
+        f"TTFT p99 <= {args.ttft_slo} and TPOT p99 <= {args.tpot_slo}; goodput counts the requests that met both, per "
         f"second of the schedule. Client timeout {args.request_timeout:g} s.",
         "",
         f"Capacity: **{capacity:.2f} req/s**"
