@@ -41,6 +41,7 @@ BENCHMARKS = {
         "add_bench_prefix_caching_parser",
         "run_bench_prefix_caching",
     ),
+    "traces": ("kvstorm.bench.traces", "add_bench_traces_parser", "run_bench_traces"),
     "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
     # Micro-benchmarks of the engine's parts, and of what serving costs it.
     "attention": ("kvstorm.bench.attention", "add_bench_attention_parser", "run_bench_attention"),

