@@ -373,4 +373,11 @@ def _describe_admission(limits: AdmissionLimits) -> str:
     ]
     if limits.max_waiting is not None:
         rules.append(f"at most {limits.max_waiting} waiting")
-    return ", ".join(rules) if rules else "off: every request that fits is admitted"
+    if not rules:
+        return "off: every request that fits is admitted"
+    batch = (
+        ""
+        if limits.ttft_slo_s is None
+        else "; an offline batch sent all at once is mostly refused: start with --ttft-slo off to queue it all"
+    )
+    return f"on: a request that would miss these is refused with 429 and Retry-After ({', '.join(rules)}){batch}"

@@ -241,10 +241,13 @@ class AdmissionController:
         elif limits.ttft_slo_s is not None and tail_ttft_s > limits.ttft_slo_s * (
             1.0 if honoured_retry else self.FRESH_SHARE
         ):
+            share = "" if honoured_retry else f"{self.FRESH_SHARE:.0%} of "
             message = (
-                f"predicted time to first token {_seconds(ttft_s)} (95th percentile {_seconds(tail_ttft_s)}) "
-                f"exceeds the objective of {limits.ttft_slo_s:g} s"
-                + ("" if honoured_retry else f" with room kept for retries ({self.FRESH_SHARE:.0%} of it for new ones)")
+                f"this request would likely wait longer for its first token than the server promises (predicted "
+                f"{_seconds(ttft_s)}, 95th percentile {_seconds(tail_ttft_s)}, against {share}the objective of "
+                f"{limits.ttft_slo_s:g} s"
+                + ("" if honoured_retry else "; the rest is room kept for requests that come back after a 429")
+                + ")"
             )
             # When it would fit the whole objective from this place in line: the excess drains at the predicted pace.
             refusal = _refusal("ttft_slo", message, tail_ttft_s - limits.ttft_slo_s)
@@ -293,7 +296,7 @@ def _refusal(reason: str, message: str, excess_s: float) -> AdmissionRefused:
     """Retry-After: the whole seconds until the excess over the limit has drained at the predicted pace (at least
     1; the forecast's horizon when the forecast did not reach the request)."""
     retry_after_s = max(1, math.ceil(excess_s)) if math.isfinite(excess_s) else int(FORECAST_HORIZON_S)
-    return AdmissionRefused(f"server overloaded: {message}; retry after {retry_after_s} s", reason, retry_after_s)
+    return AdmissionRefused(f"server busy: {message}; retry after {retry_after_s} s", reason, retry_after_s)
 
 
 def _seconds(value_s: float) -> str:

@@ -95,12 +95,18 @@ def test_serve_listens_on_loopback_answers_and_stops_cleanly_on_sigterm():
     env = {k: v for k, v in os.environ.items() if k != ADMIN_TOKEN_ENV}
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url = None
+        url, said = None, []
         for line in server.stderr:
+            said.append(line)
             if "listening on " in line:
                 url = line.strip().rsplit(" ", 1)[-1]
                 break
         assert url is not None, "the server never said where it listens"
+        # Admission is on by default, and the start says so and how to queue a batch instead.
+        (admission,) = [line for line in said if line.startswith("kvstorm serve: admission")]
+        assert "on: a request that would miss these is refused with 429 and Retry-After" in admission
+        assert "(TTFT objective 10 s)" in admission
+        assert "--ttft-slo off to queue it all" in admission
         assert url.startswith("http://127.0.0.1:"), "the default bind address is loopback"
         body = {"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
         response = requests.post(f"{url}/v1/completions", json=body, timeout=60)

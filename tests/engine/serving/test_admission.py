@@ -70,7 +70,7 @@ def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
     assert busier.refusal is not None
     assert busier.refusal.reason == "ttft_slo"
     assert busier.refusal.retry_after_s == math.ceil(busier.ttft_s - 0.3)
-    assert "exceeds the objective of 0.3 s" in str(busier.refusal)
+    assert "against 85% of the objective of 0.3 s" in str(busier.refusal)
     assert controller.ttft_limit_s() == pytest.approx(0.3 * AdmissionController.FRESH_SHARE / 3)
 
 
@@ -116,7 +116,7 @@ def test_a_request_that_comes_back_after_its_retry_after_may_use_the_whole_objec
     assert refused.ttft_s == pytest.approx(0.9)
     assert refused.refusal.reason == "ttft_slo"
     assert refused.refusal.retry_after_s == 1
-    assert "room kept for retries" in str(refused.refusal)
+    assert "room kept for requests that come back after a 429" in str(refused.refusal)
     assert decide("b", now=100.0).refusal is not None
     assert decide("b", now=100.2).refusal is not None  # too early: judged as new, and promised again
     back = decide("a", now=101.0)
