@@ -84,9 +84,15 @@ class PrefixReuse(BaseModel):
 
     def describe(self) -> str:
         measured = "not reported" if self.measured_fraction is None else f"{self.measured_fraction:.1%}"
+        beyond = (
+            " More than the workload counts: it leaves out what it cannot count in tokens before the server does (a "
+            "multi-turn system prompt that other sessions sent), and a cache warm from earlier traffic serves more."
+            if self.cached_tokens is not None and self.cached_tokens > self.shareable_tokens
+            else ""
+        )
         return (
             f"Prefix reuse: {self.expected_fraction:.1%} of {self.prompt_tokens} prompt tokens could come from a "
-            f"prefix cache (the workload's count); the server says it served {measured}."
+            f"prefix cache (the workload's count); the server says it served {measured}.{beyond}"
         )
 
 
