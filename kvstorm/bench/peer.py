@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,16 @@ from chaos.injectors.processes import ManagedServer, free_port
 # float32 both.
 KVSTORM_ARGS = "--dtype float32 --num-kv-blocks 1024 --swap-space 1GiB --ttft-slo off"
 VLLM_COMMAND = "scripts/vllm_serve.sh {port} --max-model-len 4096 --num-gpu-blocks-override 512"
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, server_args_help: str) -> None:
+    """``--server-args`` (kvstorm serve's) and ``--vllm-command`` (empty: no vLLM run)."""
+    parser.add_argument("--server-args", default=KVSTORM_ARGS, help=server_args_help)
+    parser.add_argument(
+        "--vllm-command",
+        default=VLLM_COMMAND,
+        help="starts vLLM-CPU on {port} (built by `make peer-vllm`); empty: no vLLM run",
+    )
 
 
 @contextmanager

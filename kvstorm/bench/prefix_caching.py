@@ -21,7 +21,7 @@ from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import cache_phase, scrape
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import KVSTORM_ARGS, VLLM_COMMAND, cpu_name, vllm_server
+from kvstorm.bench.peer import add_server_arguments, cpu_name, vllm_server
 from loadgen.analysis import Summary
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig
@@ -52,12 +52,7 @@ def add_bench_prefix_caching_parser(bench_subparsers: argparse._SubParsersAction
     parser.add_argument("--output-len", default="fixed:32", help="each answer (tokens)")
     parser.add_argument("--think", default="1s", help="between an answer and the next question")
     parser.add_argument("--rate", type=float, default=1.0, help="sessions per second (Poisson)")
-    parser.add_argument("--server-args", default=KVSTORM_ARGS, help="kvstorm serve's arguments, both kvstorm runs")
-    parser.add_argument(
-        "--vllm-command",
-        default=VLLM_COMMAND,
-        help="starts vLLM-CPU on {port} (built by `make peer-vllm`); empty: no vLLM run",
-    )
+    add_server_arguments(parser, "kvstorm serve's arguments, both kvstorm runs")
 
 
 def run_bench_prefix_caching(args: argparse.Namespace) -> BenchReport:

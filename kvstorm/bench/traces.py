@@ -21,7 +21,7 @@ from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import cache_phase, scrape
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import KVSTORM_ARGS, VLLM_COMMAND, cpu_name, vllm_server
+from kvstorm.bench.peer import add_server_arguments, cpu_name, vllm_server
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 from loadgen.spec import parse_spec
@@ -47,12 +47,7 @@ def add_bench_traces_parser(bench_subparsers: argparse._SubParsersAction) -> Non
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--trace", action="append", required=True, help="a trace arrival spec (repeat for more)")
-    parser.add_argument("--server-args", default=KVSTORM_ARGS, help="kvstorm serve's arguments")
-    parser.add_argument(
-        "--vllm-command",
-        default=VLLM_COMMAND,
-        help="starts vLLM-CPU on {port} (built by `make peer-vllm`); empty: no vLLM run",
-    )
+    add_server_arguments(parser, "kvstorm serve's arguments")
 
 
 def run_bench_traces(args: argparse.Namespace) -> BenchReport:
