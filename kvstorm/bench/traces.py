@@ -37,6 +37,7 @@ class ReplayRun:
     result: RunResult
     # The server's own hit rate over the run: None when it looked nothing up, or exports no counter.
     hit_rate: float | None
+    exports_hit_rate: bool
 
 
 def add_bench_traces_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -85,7 +86,8 @@ def _measure(trace: str, server: str, url: str) -> ReplayRun:
     before = scrape(url)
     result = asyncio.run(run_benchmark(config, show_progress=False))
     after = scrape(url)
-    return ReplayRun(trace, server, result, cache_phase(before, after).hit_rate)
+    exported = after.has("vllm:prefix_cache_queries_total")
+    return ReplayRun(trace, server, result, cache_phase(before, after).hit_rate, exported)
 
 
 def _report(runs: list[ReplayRun], args: argparse.Namespace) -> BenchReport:
@@ -109,6 +111,8 @@ def _report(runs: list[ReplayRun], args: argparse.Namespace) -> BenchReport:
         # No reuse summary: the trace repeats nothing, and the server reported no cached tokens.
         repeated = f"{s.prefix_reuse.expected_fraction if s.prefix_reuse else 0.0:.1%}" if s.ttft else "-"
         hit_rate = "no lookups" if run.hit_rate is None else f"{run.hit_rate:.1%}"
+        if not run.exports_hit_rate:
+            hit_rate = "not exported"
         rates = (
             "-"
             if s.delivered_rate is None or s.scheduled_rate is None
