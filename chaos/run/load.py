@@ -15,6 +15,9 @@ from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 
 BASELINE_REQUESTS = 3
+# The baseline draws its prompts from a seed no load uses by default, so it leaves no prefix in a server's cache that
+# the load after it would be served from (the load's first requests would then start warm).
+BASELINE_SEED = 1_000_003
 # How often a running load looks whether the experiment was interrupted.
 STOP_POLL_S = 0.2
 
@@ -90,7 +93,8 @@ async def _unless_stopped(benchmark: Coroutine[Any, Any, RunResult], stopping: t
 def load_for_probe(name: str, configuration: Mapping[str, Any] | None) -> LoadRun:
     """The load named ``name`` once it has run; before that (the steady state before the method), a calm baseline:
     a few requests one at a time with the experiment's shapes (``configuration``: target_url, model, input_len,
-    output_len, workload), run once and shared by every probe that asks."""
+    output_len, workload) and prompts of their own (``BASELINE_SEED``), run once and shared by every probe that
+    asks."""
     state = current()
     load = state.loads.get(name)
     if load is not None:
@@ -110,6 +114,7 @@ def load_for_probe(name: str, configuration: Mapping[str, Any] | None) -> LoadRu
             "constant:rate=100",
             num_requests=int(config.get("baseline_requests", BASELINE_REQUESTS)),
             max_concurrency=1,
+            seed=BASELINE_SEED,
             **{key: config[key] for key in ("workload", "input_len", "output_len") if key in config},
         )
         _execute(state.baseline, baseline_config, config["target_url"])
