@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import platform
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from chaos.injectors.processes import ManagedServer, free_port
+from chaos.run.metrics import cache_phase, scrape
+from loadgen.results import RunResult
 
 # The same KV capacity in tokens for both servers (16,384): kvstorm's blocks of 16, vLLM-CPU's of 32 (its smallest);
 # float32 both.
@@ -23,6 +28,27 @@ def add_server_arguments(parser: argparse.ArgumentParser, server_args_help: str)
         default=VLLM_COMMAND,
         help="starts vLLM-CPU on {port} (built by `make peer-vllm`); empty: no vLLM run",
     )
+
+
+@dataclass(frozen=True)
+class ServerHitRate:
+    """A server's own prefix-cache hit rate over a run, from its counters scraped before and after."""
+
+    value: float | None  # None: it looked nothing up
+    exported: bool
+
+    def __str__(self) -> str:
+        if not self.exported:
+            return "not exported"
+        return "no lookups" if self.value is None else f"{self.value:.1%}"
+
+
+def run_with_hit_rate(url: str, benchmark: Coroutine[Any, Any, RunResult]) -> tuple[RunResult, ServerHitRate]:
+    """``benchmark`` (a ``run_benchmark`` against ``url``) run to its end, and the server's hit rate meanwhile."""
+    before = scrape(url)
+    result = asyncio.run(benchmark)
+    after = scrape(url)
+    return result, ServerHitRate(cache_phase(before, after).hit_rate, after.has("vllm:prefix_cache_queries_total"))
 
 
 @contextmanager

@@ -12,16 +12,14 @@ answer and the next question. The hit rate is each server's own (``vllm:prefix_c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import platform
 import shlex
 from dataclasses import dataclass
 
 from chaos.injectors.processes import kvstorm_server
-from chaos.run.metrics import cache_phase, scrape
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import add_server_arguments, cpu_name, vllm_server
+from kvstorm.bench.peer import ServerHitRate, add_server_arguments, cpu_name, run_with_hit_rate, vllm_server
 from loadgen.analysis import Summary
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig
@@ -33,9 +31,7 @@ TARGET_SPEEDUP = 3.0
 class TargetRun:
     name: str
     summary: Summary
-    # The server's own hit rate over the run: None when it looked nothing up (its cache off), or exports no counter.
-    hit_rate: float | None
-    exports_hit_rate: bool
+    hit_rate: ServerHitRate
 
 
 def add_bench_prefix_caching_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -84,11 +80,8 @@ def _measure(name: str, url: str, args: argparse.Namespace) -> TargetRun:
         seed=0,
         slo=None,
     )
-    before = scrape(url)
-    result = asyncio.run(run_benchmark(config, extra_body={"temperature": 0}, show_progress=False))
-    after = scrape(url)
-    exported = after.has("vllm:prefix_cache_queries_total")
-    return TargetRun(name, result.summary, cache_phase(before, after).hit_rate, exported)
+    result, hit_rate = run_with_hit_rate(url, run_benchmark(config, extra_body={"temperature": 0}, show_progress=False))
+    return TargetRun(name, result.summary, hit_rate)
 
 
 def _report(runs: list[TargetRun], args: argparse.Namespace) -> BenchReport:
@@ -107,13 +100,10 @@ def _report(runs: list[TargetRun], args: argparse.Namespace) -> BenchReport:
         s = run.summary
         ttft = s.ttft
         p50, p99 = ("-", "-") if ttft is None else (f"{ttft.p50 * 1e3:.0f}", f"{ttft.p99 * 1e3:.0f}")
-        hit_rate = f"{run.hit_rate:.1%}" if run.hit_rate is not None else "no lookups"
-        if not run.exports_hit_rate:
-            hit_rate = "not exported"
         sessions = "-" if s.sessions is None else f"{s.sessions.completed} / {s.sessions.num_sessions}"
         lines.append(
             f"| {run.name} | {p50} | {p99} | {s.output_token_throughput:.1f} | {s.outcomes['ok']} / "
-            f"{s.num_requests} | {sessions} | {hit_rate} |"
+            f"{s.num_requests} | {sessions} | {run.hit_rate} |"
         )
     lines += ["", "TTFT p50 by turn (ms):", "", "| turn | " + " | ".join(run.name for run in runs) + " |"]
     lines.append("|---|" + "---|" * len(runs))
@@ -122,7 +112,7 @@ def _report(runs: list[TargetRun], args: argparse.Namespace) -> BenchReport:
         lines.append(f"| {turn} | " + " | ".join(cells) + " |")
     verdicts, failures = _verdicts(runs)
     lines += ["", *verdicts]
-    data = {run.name: {"summary": run.summary.model_dump(mode="json"), "hit_rate": run.hit_rate} for run in runs}
+    data = {run.name: {"summary": run.summary.model_dump(mode="json"), "hit_rate": run.hit_rate.value} for run in runs}
     return BenchReport("\n".join(lines), data=data, failures=failures)
 
 

@@ -11,17 +11,15 @@ gives the share of prompt tokens the trace repeats (the workload's count) beside
 from __future__ import annotations
 
 import argparse
-import asyncio
 import platform
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
 from chaos.injectors.processes import kvstorm_server
-from chaos.run.metrics import cache_phase, scrape
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import add_server_arguments, cpu_name, vllm_server
+from kvstorm.bench.peer import ServerHitRate, add_server_arguments, cpu_name, run_with_hit_rate, vllm_server
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 from loadgen.spec import parse_spec
@@ -35,9 +33,7 @@ class ReplayRun:
     trace: str
     server: str
     result: RunResult
-    # The server's own hit rate over the run: None when it looked nothing up, or exports no counter.
-    hit_rate: float | None
-    exports_hit_rate: bool
+    hit_rate: ServerHitRate
 
 
 def add_bench_traces_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -83,11 +79,7 @@ def _measure(trace: str, server: str, url: str) -> ReplayRun:
         seed=0,
         slo=None,
     )
-    before = scrape(url)
-    result = asyncio.run(run_benchmark(config, show_progress=False))
-    after = scrape(url)
-    exported = after.has("vllm:prefix_cache_queries_total")
-    return ReplayRun(trace, server, result, cache_phase(before, after).hit_rate, exported)
+    return ReplayRun(trace, server, *run_with_hit_rate(url, run_benchmark(config, show_progress=False)))
 
 
 def _report(runs: list[ReplayRun], args: argparse.Namespace) -> BenchReport:
@@ -110,9 +102,6 @@ def _report(runs: list[ReplayRun], args: argparse.Namespace) -> BenchReport:
         ttft, tpot = s.ttft, s.tpot
         # No reuse summary: the trace repeats nothing, and the server reported no cached tokens.
         repeated = f"{s.prefix_reuse.expected_fraction if s.prefix_reuse else 0.0:.1%}" if s.ttft else "-"
-        hit_rate = "no lookups" if run.hit_rate is None else f"{run.hit_rate:.1%}"
-        if not run.exports_hit_rate:
-            hit_rate = "not exported"
         rates = (
             "-"
             if s.delivered_rate is None or s.scheduled_rate is None
@@ -121,7 +110,8 @@ def _report(runs: list[ReplayRun], args: argparse.Namespace) -> BenchReport:
         lines.append(
             f"| {_trace_name(run.trace)} | {run.server} | {s.outcomes['ok']} / {s.num_requests} | "
             f"{_ms(ttft.p50 if ttft else None)} | {_ms(ttft.p99 if ttft else None)} | "
-            f"{_ms(tpot.p50 if tpot else None)} | {s.output_token_throughput:.1f} | {rates} | {repeated} | {hit_rate} |"
+            f"{_ms(tpot.p50 if tpot else None)} | {s.output_token_throughput:.1f} | {rates} | {repeated} | "
+            f"{run.hit_rate} |"
         )
     lines += [""]
     for run in runs:
