@@ -1,7 +1,10 @@
 # One image for the engine, the chaos controller and Locust (compose.yaml). CPU PyTorch by default; a CUDA build with
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 # The bundled model (SmolLM2-135M-Instruct, GGUF) is installed at build time: the container needs no network.
-FROM python:3.11-slim-bookworm
+# BASE_IMAGE: any Debian bookworm with python 3.11 as `python` and `pip` on PATH; compose.local.yaml names a stand-in
+# built from Debian's packages (scripts/local_base_images.sh) for machines that reach no image registry.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
 
 ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"
