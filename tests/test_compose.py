@@ -1,8 +1,9 @@
-"""The compose stack (compose.yaml, compose.gpu.yaml, Dockerfile) without a Docker engine: what cannot run here is
-validated (the Compose spec's JSON schema, hadolint, promtool, the files every service mounts, its command against
-the image's entry points, ports and healthchecks against the code's defaults), and what can run does: every service
-but Grafana as a plain process on loopback, with the command and environment compose.yaml gives it, one bounded
-Locust burst and one chaos experiment through the controller.
+"""The compose stack (compose.yaml, compose.gpu.yaml, compose.local.yaml, Dockerfile) without a Docker engine (the
+containers themselves run in tests/test_compose_up.py, CI's own step): what needs no engine is validated (the Compose
+spec's JSON schema, hadolint, promtool, the files every service mounts, its command against the image's entry
+points, ports and healthchecks against the code's defaults), and what runs as a process does: every service but
+Grafana as a plain process on loopback, with the command and environment compose.yaml gives it, one bounded Locust
+burst and one chaos experiment through the controller.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import jsonschema
@@ -32,6 +35,7 @@ from tests.chaos.test_experiments import SHORT
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 GPU_OVERRIDE = REPO / "compose.gpu.yaml"
+LOCAL_OVERRIDE = REPO / "compose.local.yaml"
 SCHEMA = Path(sys.prefix) / "share" / "compose-spec.json"  # the Makefile extracts it
 BIN = Path(sys.executable).parent
 IMAGE_WORKDIR = "/app"  # the Dockerfile's WORKDIR: the repository root
@@ -94,7 +98,7 @@ def option(command: list[str], flag: str) -> str:
 # ---- what cannot run here: validated ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE], ids=lambda p: p.name)
 def test_compose_files_validate_against_the_compose_spec(path):
     assert SCHEMA.exists(), f"{SCHEMA} is missing: run `make setup`"
     schema = json.loads(SCHEMA.read_text())
@@ -167,7 +171,7 @@ def test_ports_healthchecks_and_targets_agree_with_the_code():
     assert f'"--port", "{engine_port}"' in dockerfile
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE], ids=lambda p: p.name)
 def test_every_published_port_is_loopback_only_by_default(path):
     published = {name: s for name, s in compose(path)["services"].items() if "ports" in s}
     if path == COMPOSE:
@@ -352,7 +356,6 @@ class Stack:
 
 def test_the_stack_runs_as_compose_wires_it(tmp_path):
     stack = Stack(tmp_path)
-    token = env_of(services()["chaos"])["KVSTORM_CHAOS_TOKEN"]
     try:
         # In depends_on order, each waited for as its healthcheck would.
         stack.start("engine", "/ready")
@@ -360,35 +363,50 @@ def test_the_stack_runs_as_compose_wires_it(tmp_path):
         stack.start("chaos", "/health")
         stack.start("locust-master", "/")
         stack.start("locust-worker", "/")
-        locust = stack.url("locust-master")
-        wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["worker_count"] == 1, "a worker")
-        # A bounded burst from the web UI's own API: 4 users for 8 s.
-        swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": "8s"}, timeout=10)
-        assert swarm.json()["success"], swarm.text
-        wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the burst",
-                 timeout_s=60)  # fmt: skip
-        stats = {row["method"]: row for row in requests.get(f"{locust}/stats/requests", timeout=5).json()["stats"]}
-        assert stats["TTFT"]["num_requests"] > 0
-        assert stats["ITL"]["num_requests"] > stats["TTFT"]["num_requests"]
-        assert stats["TTFT"]["num_failures"] == 0
-        # An experiment through the controller, with the token compose gives it.
-        controller = stack.url("chaos")
-        auth = {"Authorization": f"Bearer {token}"}
-        body = {"experiment": "burst-with-vram-cap", "overrides": SHORT}
-        run = requests.post(f"{controller}/runs", json=body, headers=auth, timeout=30)
-        assert run.status_code == 201, run.text
-        events = events_until_end(controller, run.json()["id"], auth)
-        (verdict,) = [event for event in events if event["type"] == "verdict"]
-        assert verdict["status"] == "held", verdict
-        # Prometheus scraped both, as configured by the files compose mounts.
-        prometheus = stack.url("prometheus")
-        up = {r["metric"]["job"]: r["value"][1] for r in instant(prometheus, "up")}
-        assert up == {"engine": "1", "chaos-controller": "1"}
-        assert instant(prometheus, "sum(vllm:request_success_total) > 0")
-        held = 'kvstorm_chaos_runs_total{experiment="burst-with-vram-cap", result="held"} == 1'
-        wait_for(lambda: instant(prometheus, held), "the run's result in Prometheus", timeout_s=20)
+        exercise_stack(stack.url, env_of(services()["chaos"])["KVSTORM_CHAOS_TOKEN"])
     finally:
         stack.stop()
+
+
+@dataclass
+class Exercised:
+    locust_rows: dict[str, dict]  # Locust's stats rows by method (TTFT, ITL, ...)
+    verdict: dict
+    run_id: str
+    up: dict[str, str]  # Prometheus' `up` by job
+
+
+def exercise_stack(url: Callable[[str], str], chaos_token: str, burst_s: int = 8) -> Exercised:
+    """What a user does with the stack, to its results: a bounded Locust burst from the web UI's own API, an
+    experiment through the controller with the token compose gives it, and Prometheus' scrapes of both.
+    ``url(service)`` is where a service's published port answers."""
+    locust = url("locust-master")
+    wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["worker_count"] == 1, "a worker")
+    swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": f"{burst_s}s"},
+                          timeout=10)  # fmt: skip
+    assert swarm.json()["success"], swarm.text
+    wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the burst",
+             timeout_s=60 + burst_s)  # fmt: skip
+    rows = {row["method"]: row for row in requests.get(f"{locust}/stats/requests", timeout=5).json()["stats"]}
+    assert rows["TTFT"]["num_requests"] > 0
+    assert rows["ITL"]["num_requests"] > rows["TTFT"]["num_requests"]
+    assert rows["TTFT"]["num_failures"] == 0
+    controller = url("chaos")
+    auth = {"Authorization": f"Bearer {chaos_token}"}
+    body = {"experiment": "burst-with-vram-cap", "overrides": SHORT}
+    run = requests.post(f"{controller}/runs", json=body, headers=auth, timeout=30)
+    assert run.status_code == 201, run.text
+    events = events_until_end(controller, run.json()["id"], auth)
+    (verdict,) = [event for event in events if event["type"] == "verdict"]
+    assert verdict["status"] == "held", verdict
+    # Prometheus scraped both, as configured by the files compose mounts.
+    prometheus = url("prometheus")
+    up = {r["metric"]["job"]: r["value"][1] for r in instant(prometheus, "up")}
+    assert up == {"engine": "1", "chaos-controller": "1"}
+    assert instant(prometheus, "sum(vllm:request_success_total) > 0")
+    held = 'kvstorm_chaos_runs_total{experiment="burst-with-vram-cap", result="held"} == 1'
+    wait_for(lambda: instant(prometheus, held), "the run's result in Prometheus", timeout_s=20)
+    return Exercised(rows, verdict, run.json()["id"], up)
 
 
 def instant(prometheus_url: str, expr: str) -> list[dict]:
