@@ -147,7 +147,7 @@ def published_url(service: str) -> str:
     return f"http://127.0.0.1:{published_port(services()[service])}"
 
 
-def test_the_stack_comes_up_in_docker_and_serves_a_burst_and_an_experiment(stack):
+def test_the_stack_comes_up_in_docker_and_serves_a_burst_and_an_experiment(stack, tmp_path):
     running = containers(stack)
     assert set(running) == set(services()) - set(LEFT_OUT), sorted(running)
     for name, container in running.items():
@@ -177,3 +177,12 @@ def test_the_stack_comes_up_in_docker_and_serves_a_burst_and_an_experiment(stack
     assert report.status_code == 200, report.text[:400]
     assert "Burst with a 30% VRAM cap: HELD" in report.text
     say(f"the run's HTML report from the chaos container's volume: HTTP 200, {len(report.text) / 1024:.0f} KiB")
+    # Its dashboards, drawn by the controller from the Prometheus container over compose's network (README, step 4).
+    assert "The SLO and engine dashboards over this run" in report.text, "the controller drew no dashboards"
+    chaos_container = containers(stack)["chaos"]["Id"]
+    run(["docker", "cp", f"{chaos_container}:/data/chaos-results", str(tmp_path)], stack, 60)
+    (dashboards,) = (tmp_path / "chaos-results" / exercised.run_id).rglob("dashboards.html")
+    panels = dashboards.read_text().split("<div class='panel'>")[1:]
+    drawn = [panel for panel in panels if "no data in this window" not in panel]
+    say(f"{dashboards.relative_to(tmp_path)}: {len(drawn)} of {len(panels)} panels drawn from Prometheus' data")
+    assert len(drawn) >= len(panels) // 2, f"{len(panels) - len(drawn)} of {len(panels)} panels have no data"
