@@ -3,18 +3,20 @@
 Finds the capacity (the highest Poisson rate at which the SLOs hold with admission off), then runs multiples of it
 against a fresh ``kvstorm serve`` each, once with ``--ttft-slo off`` and once with the objective. Per run: goodput
 (requests meeting every SLO per second of the schedule), ok / rejected / broken / timed out, TTFT and TPOT of the
-admitted requests, how often admission's TTFT prediction was within 25% of what happened (from the server's
-histogram, after the first ``--warm-up`` seconds), the cold start (the longest TTFT of the requests sent in the
+admitted requests, the forecast's error (predicted over observed TTFT of each admitted request: how often within
+25%, and its 10th, 50th and 90th percentiles, from the server's histogram, after the first ``--warm-up`` seconds),
+the cold start (the longest TTFT of the requests sent in the
 first seconds), and whether Retry-After tells the truth: a probe sends one
 request every few seconds, and when it is refused waits the Retry-After it was given and sends it again, counting
 the second tries that are admitted. Writes the table and an HTML plot (plotly, self-contained) to the results
-directory."""
+directory; docs/benchmarks.md keeps a section per dtype and CPU kind (admission's promise is one per machine)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import platform
 import shlex
 import time
 from dataclasses import asdict, dataclass
@@ -22,10 +24,13 @@ from pathlib import Path
 
 import aiohttp
 import plotly.graph_objects as go
+import torch
 from plotly.subplots import make_subplots
 
 from chaos.injectors.processes import kvstorm_server
+from engine.model.registry import describe_dtype_choice, resolve_dtype
 from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.peer import cpu_kind, cpu_name
 from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
@@ -33,6 +38,7 @@ from loadgen.results import RunConfig, RunResult
 from loadgen.spec import parse_duration
 
 PREDICTION_TOLERANCE_BUCKETS = ("0.75", "1.25")  # predicted / observed within 25% either way
+PREDICTION_QUANTILES = (0.1, 0.5, 0.9)
 PROBE_INTERVAL_S = 3.0
 # The cold start: requests sent this early meet a server whose step-time model and margin are still learning.
 COLD_START_S = 5.0
@@ -84,6 +90,8 @@ class GoodputRow:
     tpot_p50_s: float | None
     tpot_p99_s: float | None
     predictions_within_25pct: float | None
+    # Predicted over observed TTFT at PREDICTION_QUANTILES (under 1: the first token came later than predicted).
+    prediction_ratio_quantiles: tuple[float, ...] | None
     cold_start_ttft_max_s: float | None
     retries: int
     retries_admitted: int
@@ -102,9 +110,20 @@ def run_bench_goodput(args: argparse.Namespace) -> BenchReport:
     ]
     html_path = args.results_dir / f"goodput-{time.strftime('%Y%m%d-%H%M%S')}.html"
     _plot(rows, capacity, parse_duration(args.ttft_slo), html_path)
+    dtype = _server_dtype(args.server_args)
     return BenchReport(
-        _markdown(args, capacity, bench.search_log, rows, html_path), data={"rows": [asdict(r) for r in rows]}
+        _markdown(args, capacity, bench.search_log, rows, html_path, dtype),
+        data={"rows": [asdict(r) for r in rows], "cpu": cpu_name(), "cpu_kind": cpu_kind()},
+        case=f"{str(resolve_dtype(dtype, torch.device('cpu'))).removeprefix('torch.')}-{cpu_kind()}",
     )
+
+
+def _server_dtype(server_args: str) -> str:
+    """The ``--dtype`` the servers are given (auto when none)."""
+    words = shlex.split(server_args)
+    given = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--dtype"]
+    given += [word.split("=", 1)[1] for word in words if word.startswith("--dtype=")]
+    return given[-1] if given else "auto"
 
 
 class _Bench:
@@ -133,7 +152,7 @@ class _Bench:
         return holds
 
     def run(self, admission: str, multiple: float, rate: float) -> GoodputRow:
-        result, within, probes = self._run(admission, rate)
+        result, (within, quantiles), probes = self._run(admission, rate)
         summary = result.summary
         counts, ttft, tpot = summary.outcomes, summary.ttft, summary.tpot
         return GoodputRow(
@@ -151,6 +170,7 @@ class _Bench:
             tpot_p50_s=tpot.p50 if tpot else None,
             tpot_p99_s=tpot.p99 if tpot else None,
             predictions_within_25pct=within,
+            prediction_ratio_quantiles=quantiles,
             cold_start_ttft_max_s=max(
                 (r.ttft_s for r in result.records if r.outcome is Outcome.OK and r.sent_s < COLD_START_S),
                 default=None,
@@ -159,7 +179,7 @@ class _Bench:
             retries_admitted=sum(probes),
         )
 
-    def _run(self, admission: str, rate: float) -> tuple[RunResult, float | None, list[bool]]:
+    def _run(self, admission: str, rate: float) -> tuple[RunResult, PredictionError, list[bool]]:
         args = self.args
         serve_args = ["--model", args.model, "--ttft-slo", admission, *shlex.split(args.server_args)]
         log_path = args.results_dir / f"goodput-server-{admission}-{rate:.3f}.log"
@@ -180,12 +200,16 @@ class _Bench:
                 seed=args.seed,
                 slo=self.slo,
             )
-            result, within, probes = asyncio.run(_measure(config, args.warm_up))
+            result, error, probes = asyncio.run(_measure(config, args.warm_up))
         result.write(args.results_dir / f"goodput-{admission}-{rate:.3f}.json")
-        return result, within, probes
+        return result, error, probes
 
 
-async def _measure(config: RunConfig, warm_up_s: float) -> tuple[RunResult, float | None, list[bool]]:
+# The share of predictions within 25% and the ratio's PREDICTION_QUANTILES; None where nothing was predicted.
+PredictionError = tuple[float | None, tuple[float, ...] | None]
+
+
+async def _measure(config: RunConfig, warm_up_s: float) -> tuple[RunResult, PredictionError, list[bool]]:
     async with aiohttp.ClientSession() as session:
         stop = asyncio.Event()
         probe = asyncio.create_task(_probe_retry_after(session, config, stop))
@@ -195,13 +219,28 @@ async def _measure(config: RunConfig, warm_up_s: float) -> tuple[RunResult, floa
         probes = await probe
         before = await warm
         after = await _ratio_buckets(session, config.base_url)
-    within = None
-    if before is not None and after is not None:
-        count = after["+Inf"] - before["+Inf"]
-        low, high = PREDICTION_TOLERANCE_BUCKETS
-        if count:
-            within = ((after[high] - before[high]) - (after[low] - before[low])) / count
-    return result, within, probes
+    if before is None or after is None or after["+Inf"] == before["+Inf"]:
+        return result, (None, None), probes
+    counted = {le: after[le] - before[le] for le in after}
+    low, high = PREDICTION_TOLERANCE_BUCKETS
+    within = (counted[high] - counted[low]) / counted["+Inf"]
+    return result, (within, tuple(_bucket_quantile(counted, q) for q in PREDICTION_QUANTILES)), probes
+
+
+def _bucket_quantile(cumulative: dict[str, float], quantile: float) -> float:
+    """The quantile of a histogram's cumulative bucket counts, interpolated within its bucket as Prometheus'
+    histogram_quantile does (from 0 below the first bucket; the last finite bound beyond it)."""
+    bounds = sorted((float(le), count) for le, count in cumulative.items())
+    rank = quantile * bounds[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 0.0
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
 
 
 async def _probe_retry_after(session: aiohttp.ClientSession, config: RunConfig, stop: asyncio.Event) -> list[bool]:
@@ -251,8 +290,12 @@ def _seconds(value_s: float | None) -> str:
     return "-" if value_s is None else f"{value_s:.2f}"
 
 
-def _markdown(args, capacity: float, search_log: list[str], rows: list[GoodputRow], html_path: Path) -> str:
+def _markdown(args, capacity: float, search_log: list[str], rows: list[GoodputRow], html_path: Path, dtype: str) -> str:
+    device = torch.device("cpu")
     lines = [
+        f"{platform.machine()}, {cpu_name()} ({cpu_kind()}), {torch.get_num_threads()} threads; the engine in "
+        f"{str(resolve_dtype(dtype, device)).removeprefix('torch.')} ({describe_dtype_choice(dtype, device)}).",
+        "",
         f"`kvstorm serve {args.server_args}` on the bundled {args.model}, a fresh server per run (so every point "
         "starts from a cold prefix cache, whatever the seed: no point is served what an earlier one sent); Poisson "
         f"arrivals for {args.duration:g} s, prompts `{args.input_len}`, outputs `{args.output_len}` (exact); SLOs "
@@ -263,20 +306,21 @@ def _markdown(args, capacity: float, search_log: list[str], rows: list[GoodputRo
         + (f" (search, admission off: {'; '.join(search_log)})" if search_log else " (given)"),
         "",
         "| admission | load | req/s | ok / rejected / broken / timed out | goodput req/s | vs 1x | TTFT p50 / p99 s "
-        f"| TPOT p50 / p99 ms | predictions within 25% | TTFT max, sent in the first {COLD_START_S:g} s "
-        "| retries admitted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50 / p99 ms | predictions within 25% | predicted / observed p10 / p50 / p90 "
+        f"| TTFT max, sent in the first {COLD_START_S:g} s | retries admitted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     baseline = {r.admission: r.goodput for r in rows if r.multiple == 1.0}
     for r in rows:
         ratio = f"{r.goodput / baseline[r.admission]:.0%}" if baseline.get(r.admission) else "-"
         within = "-" if r.predictions_within_25pct is None else f"{r.predictions_within_25pct:.0%}"
+        quantiles = " / ".join(f"{q:.2f}" for q in r.prediction_ratio_quantiles or ()) or "-"
         admission = "off" if r.admission == "off" else f"TTFT {r.admission}"
         lines.append(
             f"| {admission} | {r.multiple:g}x | {r.rate:.2f} | {r.ok} / {r.rejected} / {r.broken} / {r.timed_out} "
             f"| {r.goodput:.2f} | {ratio} | {_seconds(r.ttft_p50_s)} / {_seconds(r.ttft_p99_s)} "
             f"| {_ms(r.tpot_p50_s).removesuffix(' ms')} / {_ms(r.tpot_p99_s).removesuffix(' ms')} | {within} "
-            f"| {_seconds(r.cold_start_ttft_max_s)} | {r.retries_admitted} of {r.retries} |"
+            f"| {quantiles} | {_seconds(r.cold_start_ttft_max_s)} | {r.retries_admitted} of {r.retries} |"
         )
     lines.append(f"\nPlot: `{html_path.name}` in the results directory (plotly, self-contained).")
     return "\n".join(lines)

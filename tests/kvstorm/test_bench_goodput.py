@@ -6,6 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from kvstorm.bench.goodput import _bucket_quantile
+from kvstorm.bench.peer import cpu_kind, cpu_name
+
 
 def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_admission(tmp_path):
     # 4x of 6 req/s is far above what the server serves here: with the compiled attention it kept up with 4x of 2.
@@ -35,6 +38,20 @@ def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_adm
     assert ok > 0
     assert broken == 0
     assert rows["TTFT 2s", "4x"][8].endswith("%")  # the server's predictions were read back
-    assert float(rows["TTFT 2s", "4x"][9]) > 0  # the cold start's longest TTFT
+    p10, p50, p90 = (float(q) for q in rows["TTFT 2s", "4x"][9].split("/"))  # and their error's distribution
+    assert 0 < p10 <= p50 <= p90
+    assert float(rows["TTFT 2s", "4x"][10]) > 0  # the cold start's longest TTFT
+    # The section is this dtype's on this CPU kind: the promise is measured per machine.
+    assert f"## `kvstorm bench goodput` (float32-{cpu_kind()})" in run.stdout
+    assert cpu_name() in run.stdout
     assert len(list(tmp_path.glob("goodput-*.html"))) == 1
     assert len(list(tmp_path.glob("goodput-*.json"))) == 2
+
+
+def test_the_prediction_error_quantiles_interpolate_within_buckets_as_prometheus_does():
+    cumulative = {"0.5": 0.0, "1.0": 10.0, "2.0": 20.0, "+Inf": 20.0}
+    assert _bucket_quantile(cumulative, 0.25) == 0.75
+    assert _bucket_quantile(cumulative, 0.5) == 1.0
+    assert _bucket_quantile(cumulative, 0.75) == 1.5
+    # Beyond the last finite bound: that bound, as histogram_quantile answers.
+    assert _bucket_quantile({"1.0": 5.0, "+Inf": 10.0}, 0.9) == 1.0
