@@ -45,7 +45,7 @@ from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import describe_dtype_choice, resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.model_runner import ModelRunner
+from engine.model_runner import PROBE_PROMPT_TOKENS, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +127,12 @@ class LLMEngine:
             cache.block_size,
             cache.enable_prefix_caching,
         )
+        step_costs = runner.measure_step_costs()
         preemption_policy = PreemptionPolicy(
             config.scheduler.preemption_mode,
             bytes_per_block,
             copy_bytes_per_s=runner.measure_copy_bandwidth(),
-            prefill_tokens_per_s=runner.measure_prefill_throughput(),
+            prefill_tokens_per_s=step_costs.prompt_tokens_per_s(PROBE_PROMPT_TOKENS),
         )
         max_position_embeddings = model.config.max_position_embeddings
         info = EngineInfo(
@@ -148,6 +149,7 @@ class LLMEngine:
             layer_ops=runner.layer_ops,
             scheduler_config=config.scheduler,
             watermark=cache.watermark,
+            step_costs=step_costs,
             enable_prefix_caching=cache.enable_prefix_caching,
         )
         return cls(config, runner, kv_cache_manager, preemption_policy, info, tokenizer, load_timings)

@@ -5,6 +5,7 @@ This is the only engine module that touches device tensors.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 
@@ -13,7 +14,7 @@ import torch
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.core.kv_cache_manager import num_blocks_for
-from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, StepCosts, TokenLogprobs
 from engine.faults import EngineFaults
 from engine.host_memory import keep_freed_host_memory
 from engine.model.llama import LlamaForCausalLM
@@ -21,6 +22,9 @@ from engine.model.packed_linear import describe_packed_matmuls, packing_applies,
 from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
 from kernels.cpu_argmax import argmax_rows_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
+
+# The prompt a start-up step probe computes (ModelRunner.measure_step_costs).
+PROBE_PROMPT_TOKENS = 128
 
 
 class ModelRunner:
@@ -146,17 +150,39 @@ class ModelRunner:
         bytes_per_block = kv_cache_bytes_per_block(self.model.config, self.block_size, self.device_cache.data.dtype)
         return num_blocks * bytes_per_block / max(time.perf_counter() - start, 1e-9)
 
-    def measure_prefill_throughput(self, num_tokens: int = 128) -> float:
-        """Tokens/s of one prefill of ``num_tokens`` tokens (writes only blocks no request owns yet)."""
-        num_tokens = min(num_tokens, self.device_cache.num_blocks * self.block_size)
-        blocks = list(range(num_blocks_for(num_tokens, self.block_size)))
-        chunk = ScheduledRequest("prefill-probe", token_ids=[0] * num_tokens, num_computed_tokens=0, block_ids=blocks)
-        self.forward([chunk], positions_to_keep=[True])  # warm-up
+    def measure_step_costs(self, num_prompt_tokens: int = PROBE_PROMPT_TOKENS, num_decode_rows: int = 8) -> StepCosts:
+        """A step's fixed cost and its costs per prompt token and per decode row, from the fastest of a few steps of
+        each kind: a prefill of ``num_prompt_tokens``, a decode of one row and one of ``num_decode_rows`` (writes
+        only blocks no request owns yet)."""
+        num_prompt_tokens = min(num_prompt_tokens, self.device_cache.num_blocks * self.block_size)
+        num_decode_rows = max(2, min(num_decode_rows, num_prompt_tokens))
+        blocks = list(range(num_blocks_for(num_prompt_tokens, self.block_size)))
+        prefill = [ScheduledRequest("step-probe", [0] * num_prompt_tokens, num_computed_tokens=0, block_ids=blocks)]
+        # Decode rows over the prefill's blocks, each rewriting one of its positions.
+        decodes = [
+            ScheduledRequest(
+                f"step-probe-{row}", [0], num_computed_tokens=num_prompt_tokens - 1 - row, block_ids=blocks
+            )
+            for row in range(num_decode_rows)
+        ]
+        prefill_s = self._fastest_step_s(prefill)
+        one_decode_s = self._fastest_step_s(decodes[:1])
+        decodes_s = self._fastest_step_s(decodes)
+        per_decode_s = max((decodes_s - one_decode_s) / (num_decode_rows - 1), 0.0)
+        per_step_s = max(one_decode_s - per_decode_s, 0.0)
+        per_prompt_token_s = max(prefill_s - per_step_s, 0.0) / num_prompt_tokens or prefill_s / num_prompt_tokens
+        return StepCosts(per_step_s, per_prompt_token_s, per_decode_s)
+
+    def _fastest_step_s(self, chunks: list[ScheduledRequest], repeats: int = 3) -> float:
+        self.forward(chunks, positions_to_keep=[True] * len(chunks))  # warm-up
         self._synchronize()
-        start = time.perf_counter()
-        self.forward([chunk], positions_to_keep=[True])
-        self._synchronize()
-        return num_tokens / max(time.perf_counter() - start, 1e-9)
+        fastest = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.forward(chunks, positions_to_keep=[True] * len(chunks))
+            self._synchronize()
+            fastest = min(fastest, time.perf_counter() - start)
+        return max(fastest, 1e-9)
 
     def prepare_inputs(
         self, chunks: Sequence[ScheduledRequest]

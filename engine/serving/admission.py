@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.core.forecast import FORECAST_HORIZON_S, forecast
-from engine.core.outputs import BlockHash, EngineInfo, EngineSnapshot, RemainingWork, StepStats
+from engine.core.outputs import BlockHash, EngineInfo, EngineSnapshot, RemainingWork, StepCosts, StepStats
 
 
 class AdmissionRefused(Exception):
@@ -75,9 +75,11 @@ class StepTimeModel:
     """Iteration time = c0 + c1 * prefill tokens + c2 * decodes, by ridge regression towards a prior with
     exponential forgetting (an observation's weight halves every ``half_life_steps`` iterations).
 
-    The prior weighs two observations' worth; the engine's (``from_prefill_throughput``) says a prefill token and
-    a decode both cost one token's compute at the prefill throughput measured at start, plus 5 ms per iteration.
-    Coefficients are kept non-negative: a step never gets cheaper with more work.
+    The prior weighs two observations' worth; the engine's is its step costs measured at start-up
+    (``EngineInfo.step_costs``). A prior that priced a decode as one prompt token at the prefill throughput, plus
+    5 ms a step, predicted a one-decode step at 6 ms where it took 30 ms (float32): the first requests a fresh
+    server admitted under overload missed the objective (5.3-5.7 s against 5 s at 5x capacity) before the steps
+    had taught it. Coefficients are kept non-negative: a step never gets cheaper with more work.
     """
 
     # Typical magnitudes of the features, so the prior weighs each coefficient alike.
@@ -101,9 +103,8 @@ class StepTimeModel:
         self.num_observations += 1
 
     @classmethod
-    def from_prefill_throughput(cls, prefill_tokens_per_s: float) -> StepTimeModel:
-        per_token_s = 1.0 / prefill_tokens_per_s
-        return cls((0.005, per_token_s, per_token_s))
+    def from_step_costs(cls, costs: StepCosts) -> StepTimeModel:
+        return cls((costs.per_step_s, costs.per_prompt_token_s, costs.per_decode_s))
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -172,10 +173,10 @@ class AdmissionController:
     MIN_KEPT_SHARE = 0.1
     TAIL_QUANTILE = 0.95
 
-    def __init__(self, limits: AdmissionLimits, info: EngineInfo, prefill_tokens_per_s: float) -> None:
+    def __init__(self, limits: AdmissionLimits, info: EngineInfo) -> None:
         self.limits = limits
         self.info = info
-        self.model = StepTimeModel.from_prefill_throughput(prefill_tokens_per_s)
+        self.model = StepTimeModel.from_step_costs(info.step_costs)
         self._lock = threading.Lock()
         self._ratios: deque[float] = deque(maxlen=self.WINDOW)
         self._min_kept_prediction_s = 0.0 if limits.ttft_slo_s is None else self.MIN_KEPT_SHARE * limits.ttft_slo_s

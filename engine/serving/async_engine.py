@@ -135,7 +135,7 @@ class AsyncEngine:
         self.last_progress_ts = time.monotonic()
         # The engine as of the last loop iteration, published for the HTTP side, and when.
         self._publish(engine.snapshot())
-        self.admission = AdmissionController(self.limits, engine.info, self.snapshot.prefill_tokens_per_s)
+        self.admission = AdmissionController(self.limits, engine.info)
         metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
         stats = self.snapshot.stats
         metrics.observe_cache_config(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from engine.core.outputs import RemainingWork, StepStats
+from engine.core.outputs import RemainingWork, StepCosts, StepStats
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admission import (
     AdmissionController,
@@ -29,7 +29,7 @@ from tests.engine.serving.conftest import make_engine, make_tiny_engine, metric_
 
 def test_the_step_time_model_learns_a_machine_from_its_steps():
     truth = np.array([0.04, 0.0008, 0.002])
-    model = StepTimeModel.from_prefill_throughput(5000.0)  # a prior 4x too fast
+    model = StepTimeModel.from_step_costs(StepCosts(0.005, 0.0002, 0.0002))  # a prior several times too fast
     rng = random.Random(1)
     for _ in range(400):
         prefill, decodes = rng.choice([0, 0, 256, 512, 2000]), rng.randint(0, 40)
@@ -52,7 +52,7 @@ def test_feedback_corrects_a_model_that_runs_slow_and_admission_follows():
     is refused, with a Retry-After of the excess."""
     engine = make_tiny_engine(max_num_batched_tokens=256)
     snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.3), engine.info, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.3), engine.info)
     controller.model = StepTimeModel((0.01, 0.0, 0.0))
     new = NewRequest(200, 10)
     admitted, model_ttft_s = controller.decide(snapshot, 0.0, [], [], new)
@@ -79,14 +79,14 @@ def test_predictions_far_below_the_objective_do_not_set_the_margin():
     2-2.5); kept, they would double the margin for a window of requests. Under a tenth of the objective they are
     not kept: the margin comes from predictions near the objective."""
     info = make_tiny_engine().info
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=5.0), info, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=5.0), info)
     for _ in range(AdmissionController.MIN_RATIOS):
         controller.observe_first_token(0.16, 0.40)
     assert controller.corrections() == (1.0, 1.25)  # the defaults: nothing kept
     for _ in range(AdmissionController.MIN_RATIOS):
         controller.observe_first_token(3.0, 3.3)
     assert controller.corrections() == pytest.approx((1.1, 1.1))
-    without_objective = AdmissionController(AdmissionLimits(), info, prefill_tokens_per_s=1e6)
+    without_objective = AdmissionController(AdmissionLimits(), info)
     for _ in range(AdmissionController.MIN_RATIOS):
         without_objective.observe_first_token(0.16, 0.40)
     assert without_objective.corrections() == pytest.approx((2.5, 2.5))  # the metrics' central correction
@@ -97,7 +97,7 @@ def _one_second_objective_behind_a_busy_engine():
     whose corrections are 1."""
     engine = make_tiny_engine(max_num_batched_tokens=256)
     snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), engine.info, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), engine.info)
     controller.model = StepTimeModel((0.18, 0.0, 0.0))
     for _ in range(AdmissionController.WINDOW):
         controller.observe_first_token(1.0, 1.0)
@@ -152,7 +152,7 @@ def test_a_retry_goes_ahead_of_the_requests_that_arrived_since_its_first_attempt
 
 
 def test_steps_that_failed_teach_the_model_nothing():
-    controller = AdmissionController(AdmissionLimits(), make_tiny_engine().info, prefill_tokens_per_s=1000.0)
+    controller = AdmissionController(AdmissionLimits(), make_tiny_engine().info)
     before = controller.model.coefficients
     failed = StepStats(num_scheduled=4, num_batched_tokens=400, num_prefill_tokens=396, num_swapped_in_blocks=0,
                        num_swapped_out_blocks=0, duration_s=9.0, error="OutOfMemoryError")  # fmt: skip
@@ -163,7 +163,7 @@ def test_steps_that_failed_teach_the_model_nothing():
 def test_a_predicted_tpot_over_its_objective_is_refused():
     engine = make_tiny_engine()
     snapshot = _busy_snapshot(engine)
-    controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), engine.info, prefill_tokens_per_s=1e6)
+    controller = AdmissionController(AdmissionLimits(tpot_slo_s=0.02), engine.info)
     controller.model = StepTimeModel((0.005, 0.0, 0.001))  # 7 decodes: 12 ms a step
     assert controller.decide(snapshot, 0.0, [], [], NewRequest(10, 20))[0].refusal is None
     arriving = [RemainingWork(10, 0, 100, place_in_line_ts=math.inf)] * 10  # 17 decodes: 22 ms a step
@@ -219,3 +219,17 @@ def test_a_burst_far_above_capacity_is_shed_and_every_admitted_stream_meets_its_
         assert metric_value(metrics, "kvstorm:admitted_requests_total") == len(admitted) + 1
         assert metric_value(metrics, "kvstorm:admission_ttft_prediction_ratio_count") == len(admitted) + 1
         assert metric_value(metrics, "kvstorm:admission_ttft_limit_seconds") > 0
+
+
+def test_the_step_time_prior_is_the_step_costs_the_engine_measured_at_start():
+    """What a fresh server forecasts with before its steps teach it: the engine's own start-up measurement of a step's
+    fixed cost, a prompt token and a decode row (not a decode priced as a prompt token), and the preemption policy's
+    prefill throughput from the same measurement."""
+    engine = make_tiny_engine()
+    costs = engine.info.step_costs
+    assert costs.per_step_s > 0
+    assert costs.per_prompt_token_s > 0
+    assert costs.per_decode_s >= 0
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=1.0), engine.info)
+    assert controller.model.coefficients == (costs.per_step_s, costs.per_prompt_token_s, costs.per_decode_s)
+    assert engine.preemption_policy.prefill_tokens_per_s == pytest.approx(costs.prompt_tokens_per_s(128))
