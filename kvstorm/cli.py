@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -85,7 +86,7 @@ def _bench_handler(run, section: str):
 
     def handler(args: argparse.Namespace) -> int:
         report = run(args)
-        command = " ".join(["kvstorm", *reproducible_args(sys.argv[1:])])
+        command = reproducible_command(sys.argv[1:])
         title = f"`kvstorm bench {section}`" + ("" if report.case is None else f" ({report.case})")
         markdown = f"## {title}\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
         print(markdown)
@@ -101,6 +102,11 @@ def _bench_handler(run, section: str):
 
 # Where a run wrote its raw results: a path on this machine, not part of what reproduces the numbers.
 OUTPUT_FLAGS = ("--json", "--results-dir")
+
+
+def reproducible_command(argv: list[str]) -> str:
+    """The command line to paste into a shell: quoted where an argument needs it (``--server-args "--dtype ..."``)."""
+    return shlex.join(["kvstorm", *reproducible_args(argv)])
 
 
 def reproducible_args(argv: list[str]) -> list[str]:

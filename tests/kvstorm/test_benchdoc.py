@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from kvstorm.bench.doc import DEFAULT_PATH, update_section
-from kvstorm.cli import reproducible_args
+from kvstorm.cli import reproducible_args, reproducible_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,3 +30,10 @@ def test_a_section_is_replaced_in_place_and_a_new_one_appended(tmp_path):
 def test_the_recorded_command_leaves_out_where_the_run_wrote_its_results():
     argv = ["bench", "preemption-modes", "--results-dir", "/x/y", "--modes", "swap", "--json=/a.json", "--json", "b"]
     assert reproducible_args(argv) == ["bench", "preemption-modes", "--modes", "swap"]
+
+
+def test_the_recorded_command_pastes_into_a_shell_as_it_was_typed():
+    argv = ["bench", "goodput", "--server-args", "--dtype float32 --num-kv-blocks 136", "--results-dir", "/x"]
+    command = reproducible_command(argv)
+    assert command == "kvstorm bench goodput --server-args '--dtype float32 --num-kv-blocks 136'"
+    assert shlex.split(command)[1:] == argv[:4]
