@@ -5,11 +5,11 @@ against a fresh ``kvstorm serve`` each, once with ``--ttft-slo off`` and once wi
 (requests meeting every SLO per second of the schedule), ok / rejected / broken / timed out, TTFT and TPOT of the
 admitted requests, the forecast's error (predicted over observed TTFT of each admitted request: how often within
 25%, and its 10th, 50th and 90th percentiles, from the server's histogram, after the first ``--warm-up`` seconds),
-the cold start (the longest TTFT of the requests sent in the
-first seconds), and whether Retry-After tells the truth: a probe sends one
-request every few seconds, and when it is refused waits the Retry-After it was given and sends it again, counting
-the second tries that are admitted. Writes the table and an HTML plot (plotly, self-contained) to the results
-directory; docs/benchmarks.md keeps a section per dtype and CPU kind (admission's promise is one per machine)."""
+the cold start (the longest TTFT of the requests sent in the first seconds), and whether Retry-After tells the
+truth: a probe sends one request every few seconds, and when it is refused waits the Retry-After it was given and
+sends it again, counting the second tries that are admitted. Writes the table and an HTML plot (plotly,
+self-contained) to the results directory; docs/benchmarks.md keeps a section per dtype and CPU kind (admission's
+promise is one per machine)."""
 
 from __future__ import annotations
 
