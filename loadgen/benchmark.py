@@ -9,18 +9,17 @@ import time
 from collections.abc import Callable, Sequence
 
 from loadgen.analysis import LATE_TTFT_ROW, TURN_COLUMNS, Summary, advisories, describe_rates, parse_slos, summarize
-from loadgen.arrivals import ARRIVAL_KINDS, make_arrivals
+from loadgen.arrivals import ARRIVAL_KINDS
 from loadgen.client import StreamingClient
 from loadgen.counters import RunCounters
+from loadgen.plan import plan_run
 from loadgen.progress import LiveProgress
 from loadgen.prometheus import fetch_series
 from loadgen.records import Outcome
 from loadgen.results import FaultWindow, RunConfig, RunResult
-from loadgen.runner import run_open_loop
-from loadgen.sessions import build_sessions, run_sessions
 from loadgen.spec import parse_spec
 from loadgen.traces import replay
-from loadgen.workloads import build_plan, is_session_workload
+from loadgen.workers import run_in_workers
 
 
 async def run_benchmark(
@@ -39,40 +38,36 @@ async def run_benchmark(
     ``announce``: told, before anything is sent, what the plan expects where a reader should know it first (the
     prefix reuse a shared-prefix workload offers)."""
     slos = parse_slos(config.slo)  # fail on a bad SLO before sending anything
-    arrivals = make_arrivals(
-        config.arrival, num_requests=config.num_requests, duration_s=config.duration_s, seed=config.seed
-    )
-    lengths = {"input_len": config.input_len, "output_len": config.output_len, "seed": config.seed}
-    sessions = build_sessions(arrivals, config.workload, **lengths) if is_session_workload(config.workload) else None
-    plan = [] if sessions is not None else build_plan(arrivals, config.workload, **lengths)
-    if not arrivals:
-        raise ValueError(f"{config.arrival!r} schedules no request within the run's bounds")
-    shareable = sum(planned.shared_prefix_tokens for planned in plan)
+    plan = plan_run(config)
+    shareable = sum(planned.shared_prefix_tokens for planned in plan.requests)
     if announce is not None and shareable:
-        prompt_tokens = sum(len(planned.body["prompt"]) for planned in plan)
+        prompt_tokens = sum(len(planned.body["prompt"]) for planned in plan.requests)
         announce(
             f"Prefix reuse the plan offers: {shareable} of its {prompt_tokens} prompt tokens "
             f"({shareable / prompt_tokens:.1%}) repeat a prefix an earlier request sent (a server caches whole "
             "blocks only, so it can serve a little less)"
         )
     counters = counters or RunCounters()
-    client = StreamingClient(
-        config.base_url,
-        config.model,
-        request_timeout_s=config.request_timeout_s,
-        stall_timeout_s=config.stall_timeout_s,
-        exact_output=config.exact_output,
-        extra_body=extra_body,
-        api_key=api_key,
-        counters=counters,
-    )
     progress = LiveProgress(counters) if show_progress else contextlib.nullcontext()
-    async with client, progress:
-        if sessions is not None:
-            records, timing = await run_sessions(sessions, client, max_concurrency=config.max_concurrency)
-        else:
-            records, timing = await run_open_loop(plan, client, max_concurrency=config.max_concurrency)
-    summary = summarize(records, timing.duration_s, slos, sessions.num_turns if sessions else None)
+    if config.workers > 1:
+        async with progress:
+            records, timing, _ = await run_in_workers(
+                config, config.workers, extra_body=extra_body, api_key=api_key, counters=counters
+            )
+    else:
+        client = StreamingClient(
+            config.base_url,
+            config.model,
+            request_timeout_s=config.request_timeout_s,
+            stall_timeout_s=config.stall_timeout_s,
+            exact_output=config.exact_output,
+            extra_body=extra_body,
+            api_key=api_key,
+            counters=counters,
+        )
+        async with client, progress:
+            records, timing = await plan.run(client, config.max_concurrency)
+    summary = summarize(records, timing.duration_s, slos, plan.num_turns)
     notes = advisories(summary, records, exact_output=config.exact_output, max_concurrency=config.max_concurrency)
     if parse_spec(config.arrival, ARRIVAL_KINDS).kind == "trace":
         notes.insert(0, replay(config.arrival).description)
@@ -99,6 +94,7 @@ def summary_markdown(result: RunResult) -> str:
     s, c = result.summary, result.config
     bounds = f"{c.num_requests} requests" if c.num_requests else f"{c.duration_s:g} s" if c.duration_s else "to its end"
     cap = f", max concurrency {c.max_concurrency}" if c.max_concurrency else ""
+    cap += f", sent from {c.workers} worker processes" if c.workers > 1 else ""
     lines = [
         f"Server {c.base_url}, model `{c.model}`; workload `{c.workload}` (input `{c.input_len}`, output "
         f"`{c.output_len}`{', exact' if c.exact_output else ''}); arrival `{c.arrival}`, {bounds}{cap}.",

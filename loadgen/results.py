@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from loadgen.analysis import Summary
 from loadgen.records import RequestRecord
@@ -47,6 +47,8 @@ class RunConfig(BaseModel):
     exact_output: bool
     seed: int
     slo: str | None
+    # Processes the sending was shared by (loadgen.workers).
+    workers: int = Field(1, ge=1)
 
 
 class RunResult(BaseModel):

@@ -13,15 +13,34 @@ import contextlib
 import gc
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvloop
 
 from loadgen.client import StreamingClient
 from loadgen.records import RequestRecord
 from loadgen.workloads import PlannedRequest
 
+T = TypeVar("T")
+
 # Scheduling starts a little after the call so the first requests are not late by the setup of the first tasks.
 START_DELAY_S = 0.05
+
+
+def run_event_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop: its event loop and transports are compiled (libuv), and a streamed token costs the
+    client about two thirds of the CPU time it costs on asyncio's loop (``kvstorm bench client-capacity``). Its timers
+    tick in whole milliseconds, so a request may leave up to a millisecond after its planned instant: ``sent_s``
+    records when it really left, and every token is stamped with perf_counter as it is read, as on asyncio's loop."""
+    return uvloop.run(coroutine)
+
+
+async def sleep_until(deadline_ts: float) -> None:
+    """Until ``deadline_ts`` (perf_counter), never before it: a millisecond timer may wake a fraction early."""
+    while (delay_s := deadline_ts - time.perf_counter()) > 0:
+        await asyncio.sleep(delay_s)
 
 
 @dataclass(frozen=True)
@@ -35,16 +54,30 @@ class RunTiming:
     duration_s: float
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """A run's id and its zero: ``start_ts`` on the perf_counter clock, ``start_unix`` the same instant in wall-clock
+    time. perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of a host, so the worker processes
+    of one run (:mod:`loadgen.workers`) share one zero."""
+
+    run_id: str
+    start_ts: float
+    start_unix: float
+
+    @classmethod
+    def soon(cls, delay_s: float = START_DELAY_S) -> RunStart:
+        return cls(uuid.uuid4().hex[:8], time.perf_counter() + delay_s, time.time() + delay_s)
+
+
 class RunContext:
     """What every request of one run shares: its id, its zero, and the client-side concurrency cap."""
 
-    def __init__(self, client: StreamingClient, max_concurrency: int | None) -> None:
+    def __init__(self, client: StreamingClient, max_concurrency: int | None, start: RunStart | None = None) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
         self.client = client
-        self.run_id = uuid.uuid4().hex[:8]
-        self.start_ts = time.perf_counter() + START_DELAY_S
-        self.start_unix = time.time() + START_DELAY_S
+        start = start or RunStart.soon()
+        self.run_id, self.start_ts, self.start_unix = start.run_id, start.start_ts, start.start_unix
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async def send(self, planned: PlannedRequest, keep_text: bool = False) -> tuple[RequestRecord, str]:
@@ -58,12 +91,16 @@ class RunContext:
 
 
 async def run_open_loop(
-    plan: list[PlannedRequest], client: StreamingClient, *, max_concurrency: int | None = None
+    plan: list[PlannedRequest],
+    client: StreamingClient,
+    *,
+    max_concurrency: int | None = None,
+    start: RunStart | None = None,
 ) -> tuple[list[RequestRecord], RunTiming]:
     async def one(index: int, context: RunContext) -> list[RequestRecord]:
         return [(await context.send(plan[index]))[0]]
 
-    return await run_at_offsets([p.offset_s for p in plan], one, client, len(plan), max_concurrency)
+    return await run_at_offsets([p.offset_s for p in plan], one, client, len(plan), max_concurrency, start)
 
 
 async def run_at_offsets(
@@ -72,11 +109,12 @@ async def run_at_offsets(
     client: StreamingClient,
     num_requests: int,
     max_concurrency: int | None,
+    run_start: RunStart | None = None,
 ) -> tuple[list[RequestRecord], RunTiming]:
-    """Start ``start(i, context)`` as its own task at offset ``offsets_s[i]`` from the run's start, never waiting
-    for an earlier one; every record they return, in index order. ``num_requests``: how many requests the run
-    plans (what progress counts towards)."""
-    context = RunContext(client, max_concurrency)
+    """Start ``start(i, context)`` as its own task at offset ``offsets_s[i]`` from the run's start (``run_start``, by
+    default a moment from now), never waiting for an earlier one; every record they return, in index order.
+    ``num_requests``: how many requests the run plans (what progress counts towards)."""
+    context = RunContext(client, max_concurrency, run_start)
     client.counters.total = num_requests
     # Objects alive now (a test session, numpy, pydantic...) go to the permanent generation: a full collection would
     # otherwise scan them all and pause the loop for tens of milliseconds in the middle of a stream.
@@ -84,9 +122,7 @@ async def run_at_offsets(
     try:
         tasks = []
         for index, offset_s in enumerate(offsets_s):
-            delay_s = context.start_ts + offset_s - time.perf_counter()
-            if delay_s > 0:
-                await asyncio.sleep(delay_s)
+            await sleep_until(context.start_ts + offset_s)
             tasks.append(asyncio.create_task(start(index, context)))
         records = sorted((r for batch in await asyncio.gather(*tasks) for r in batch), key=lambda r: r.index)
     finally:

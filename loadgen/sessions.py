@@ -13,8 +13,6 @@ left (``sent_s``), as for every request. :class:`Conversation` keeps one session
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +20,7 @@ import numpy as np
 from loadgen.arrivals import Arrival
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome, RequestRecord
-from loadgen.runner import RunContext, RunTiming, run_at_offsets
+from loadgen.runner import RunContext, RunStart, RunTiming, run_at_offsets, sleep_until
 from loadgen.spec import parse_spec
 from loadgen.workloads import CHAT_PATH, PlannedRequest, corpus_sentences, corpus_text, sample_lengths
 
@@ -85,7 +83,11 @@ def build_sessions(
 
 
 async def run_sessions(
-    plan: SessionPlan, client: StreamingClient, *, max_concurrency: int | None = None
+    plan: SessionPlan,
+    client: StreamingClient,
+    *,
+    max_concurrency: int | None = None,
+    start: RunStart | None = None,
 ) -> tuple[list[RequestRecord], RunTiming]:
     """Every session from its arrival, each turn after the previous answer; the records of the turns sent."""
 
@@ -93,7 +95,7 @@ async def run_sessions(
         return await _run_session(plan, plan.sessions[index], context)
 
     offsets = [s.offset_s for s in plan.sessions]
-    return await run_at_offsets(offsets, session, client, plan.num_requests, max_concurrency)
+    return await run_at_offsets(offsets, session, client, plan.num_requests, max_concurrency, start)
 
 
 class Conversation:
@@ -131,9 +133,7 @@ async def _run_session(plan: SessionPlan, planned: PlannedSession, context: RunC
     records: list[RequestRecord] = []
     scheduled_s = planned.offset_s
     for turn in range(plan.num_turns):
-        delay_s = context.start_ts + scheduled_s - time.perf_counter()
-        if delay_s > 0:
-            await asyncio.sleep(delay_s)
+        await sleep_until(context.start_ts + scheduled_s)
         record, answer = await context.send(conversation.request(turn, scheduled_s), keep_text=True)
         record.session, record.turn = planned.index, turn + 1
         records.append(record)

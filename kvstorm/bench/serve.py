@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -11,13 +10,15 @@ import time
 from pathlib import Path
 
 from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.peer import cpu_kind
 from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
+from loadgen.capacity import CapacityRow, Placement, measure_capacity
 from loadgen.capacity import __doc__ as CAPACITY_DOC
-from loadgen.capacity import measure_capacity
 from loadgen.records import Outcome
 from loadgen.report import write_report
 from loadgen.results import RunConfig, read_fault_windows
+from loadgen.runner import run_event_loop
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
 
@@ -54,6 +55,12 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     )
     parser.add_argument("--duration", type=_duration, default=None, help="stop scheduling after this long (60s)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="client-side cap (reported as such)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes that share the sending (past what one client core sustains: see client-capacity)",
+    )
     parser.add_argument("--request-timeout", type=_duration, default=600.0, help="whole-request limit")
     parser.add_argument("--stall-timeout", type=_duration, default=30.0, help="longest gap between two tokens")
     parser.add_argument("--no-exact-output", action="store_true", help="do not send ignore_eos / min_tokens")
@@ -80,41 +87,60 @@ def add_bench_client_capacity_parser(bench_subparsers: argparse._SubParsersActio
     parser.add_argument("--gap", type=_duration, default=0.02, help="scripted gap between tokens")
     parser.add_argument("--tokens", type=int, default=100, help="tokens per stream")
     parser.add_argument("--steady", type=_duration, default=4.0, help="how long each level keeps its streams open")
+    parser.add_argument("--workers", default="1", help="client processes to try, in order (e.g. 1,2)")
 
 
 def run_bench_client_capacity(args: argparse.Namespace) -> BenchReport:
     levels = [int(level) for level in args.levels.split(",")]
     load_before = os.getloadavg()[0]
-    rows = measure_capacity(levels, ttft_s=args.ttft, gap_s=args.gap, num_tokens=args.tokens, steady_s=args.steady)
+    placements, rows = {}, {}
+    for workers in (int(count) for count in args.workers.split(",")):
+        placements[workers] = Placement.for_workers(workers)
+        rows[workers] = measure_capacity(
+            levels, ttft_s=args.ttft, gap_s=args.gap, num_tokens=args.tokens, steady_s=args.steady, workers=workers
+        )
     load_after = os.getloadavg()[0]
     lines = [
-        f"Scripted server on CPU 1 (TTFT {args.ttft * 1e3:g} ms, one token every {args.gap * 1e3:g} ms, "
-        f"{args.tokens} tokens per stream), client alone on CPU 0, both at real-time priority where allowed; "
-        f"Poisson arrivals at the rate that keeps each level's streams open, for {args.steady:g} s. Timing error: "
-        "the client's recorded arrival of each token minus the server's stamp after writing it (same monotonic clock). "
-        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; load average "
-        f"{load_before:.2f} before, {load_after:.2f} after (the machine is shared with other work).",
-        "",
-        "| streams (target / peak) | tokens/s | client CPU | server CPU | error p50 ms | error p99 ms | error max ms "
-        "| server late p99 ms | failed | under 1 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Scripted server (TTFT {args.ttft * 1e3:g} ms, one token every {args.gap * 1e3:g} ms, {args.tokens} tokens "
+        f"per stream) alone on its CPU, the client's processes at real-time priority where allowed; Poisson arrivals "
+        f"at the rate that keeps each level's streams open, for {args.steady:g} s. Timing error: the client's "
+        "recorded arrival of each token minus the server's stamp after writing it (same monotonic clock). Client CPU: "
+        "the client processes' CPU time over the steady window, in cores. "
+        f"{platform.machine()}, {os.cpu_count()} CPUs ({cpu_kind()}), Python {platform.python_version()}, event loop "
+        f"uvloop; load average {load_before:.2f} before, {load_after:.2f} after.",
     ]
-    for row in rows:
-        lines.append(
-            f"| {row.target_streams} / {row.peak_streams} | {row.tokens_per_s:.0f} | {row.client_cpu:.0%} "
-            f"| {row.server_cpu:.0%} | {row.error_p50_ms:.2f} | {row.error_p99_ms:.2f} | {row.error_max_ms:.2f} "
-            f"| {row.server_late_p99_ms:.2f} | {row.num_failed} | {'yes' if row.sustained else 'no'} |"
-        )
-    sustained = [row for row in rows if row.sustained]
-    if sustained:
-        best = max(sustained, key=lambda row: row.tokens_per_s)
-        lines.append(
-            f"\nOne client core sustains **{best.peak_streams} concurrent streams, {best.tokens_per_s:.0f} streamed "
-            f"tokens/s** with p99 timing error {best.error_p99_ms:.2f} ms (client CPU {best.client_cpu:.0%})."
-        )
-    else:
-        lines.append("\nNo level kept the p99 timing error under 1 ms.")
+    for workers, placement in placements.items():
+        lines += [
+            "",
+            f"**{workers} worker process{'es' if workers > 1 else ''}**: {placement.describe()}.",
+            "",
+            "| streams (target / peak) | tokens/s | client CPU | server CPU | error p50 ms | error p99 ms "
+            "| error max ms | server late p99 ms | failed | under 1 ms |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows[workers]:
+            lines.append(
+                f"| {row.target_streams} / {row.peak_streams} | {row.tokens_per_s:.0f} | {row.client_cpu:.0%} "
+                f"| {row.server_cpu:.0%} | {row.error_p50_ms:.2f} | {row.error_p99_ms:.2f} | {row.error_max_ms:.2f} "
+                f"| {row.server_late_p99_ms:.2f} | {row.num_failed} | {'yes' if row.sustained else 'no'} |"
+            )
+        lines.append("")
+        lines.append(_capacity_conclusion(workers, placement, rows[workers]))
     return BenchReport("\n".join(lines))
+
+
+def _capacity_conclusion(workers: int, placement: Placement, rows: list[CapacityRow]) -> str:
+    sustained = [row for row in rows if row.sustained]
+    processes = f"{workers} worker process{'es' if workers > 1 else ''}"
+    if not sustained:
+        return f"With {processes}, no level kept the p99 timing error under 1 ms."
+    best = max(sustained, key=lambda row: row.tokens_per_s)
+    cores = f"{placement.client_cores} client core{'s' if placement.client_cores > 1 else ''}"
+    return (
+        f"{processes} on {cores}: **{best.peak_streams} concurrent streams "
+        f"({best.streams_per_core:.0f} per client core), {best.tokens_per_s:.0f} streamed tokens/s** sustained with "
+        f"p99 timing error {best.error_p99_ms:.2f} ms (client CPU {best.client_cpu:.0%})."
+    )
 
 
 def run_bench_serve(args: argparse.Namespace) -> BenchReport:
@@ -128,6 +154,7 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
         num_requests=args.num_requests,
         duration_s=args.duration,
         max_concurrency=args.max_concurrency,
+        workers=args.workers,
         request_timeout_s=args.request_timeout,
         stall_timeout_s=args.stall_timeout,
         exact_output=not args.no_exact_output,
@@ -135,7 +162,7 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
         slo=args.slo,
     )
     fault_windows = read_fault_windows(args.fault_windows) if args.fault_windows else []
-    result = asyncio.run(
+    result = run_event_loop(
         run_benchmark(
             config,
             fault_windows=fault_windows,
