@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from aiohttp import web
 
 from loadgen.records import Outcome
+from loadgen.runner import run_event_loop
 
 # order % 100 -> fault; every tenth request (order % 10 == 9) is answered 429 before these apply.
 FAULT_SLOTS = {
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fault-plan", choices=["none", "mixed"], default=defaults.fault_plan)
     args = parser.parse_args(argv)
     script = ServerScript(**{name: getattr(args, name) for name in ServerScript.__dataclass_fields__})
-    asyncio.run(_serve(ScriptedServer(script), args.host, args.port))
+    run_event_loop(_serve(ScriptedServer(script), args.host, args.port))
 
 
 class _ArrivalStamping(asyncio.Protocol):

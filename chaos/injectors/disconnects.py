@@ -32,6 +32,7 @@ import aiohttp
 
 from chaos.injectors.engine_admin import EngineAdmin
 from chaos.run.metrics import EngineActivity, KVOccupancy, MetricsSample, scrape, wait_until_settled
+from loadgen.runner import run_event_loop
 from loadgen.sse import SseParser
 
 TOKEN_PHASES = ("early_decode", "late_decode", "last_token")
@@ -101,7 +102,7 @@ def disconnect_storm(
     if phase == "swapped" and admin is None:
         raise ValueError("a storm aimed at swapped requests needs kvstorm's /admin/stats (an admin token)")
     before = scrape(target_url)
-    results = asyncio.run(_storm(target_url, model, phase, num_requests, prompt_len, max_tokens, admin, timeout_s))
+    results = run_event_loop(_storm(target_url, model, phase, num_requests, prompt_len, max_tokens, admin, timeout_s))
     settled_s, occupancy_after = wait_until_settled(target_url, settle_timeout_s, KVOccupancy.of(before))
     after: MetricsSample = scrape(target_url)
     return StormReport(

@@ -13,6 +13,7 @@ from chaos.run.monitor import MetricsMonitor
 from chaos.run.state import LoadRun, current
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
+from loadgen.runner import run_event_loop
 
 BASELINE_REQUESTS = 3
 # The baseline draws its prompts from a seed no load uses by default, so it leaves no prefix in a server's cache that
@@ -63,7 +64,7 @@ def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
         load.metrics_before = scrape(metrics_url)
         with MetricsMonitor(metrics_url) as monitor:
             benchmark = run_benchmark(config, show_progress=False, counters=load.counters)
-            result = asyncio.run(_unless_stopped(benchmark, state.stopping))
+            result = run_event_loop(_unless_stopped(benchmark, state.stopping))
         result.prometheus = monitor.series()
         load.samples = monitor.samples
         load.result = result

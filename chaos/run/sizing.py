@@ -12,7 +12,6 @@ not from constants tuned for one pool on one machine.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from chaos.run.load import load_config
 from chaos.run.metrics import MetricsSample, scrape
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
+from loadgen.runner import run_event_loop
 from loadgen.workloads import mean_length
 
 CACHE_CONFIG_SERIES = "vllm:cache_config_info"
@@ -67,7 +67,7 @@ def measure_target(
     config = load_config(
         target_url, model, "constant:rate=1000", num_requests=num_requests, max_concurrency=concurrency, **shapes
     )
-    summary = asyncio.run(run_benchmark(config, show_progress=False)).summary
+    summary = run_event_loop(run_benchmark(config, show_progress=False)).summary
     num_ok = summary.outcomes.get(Outcome.OK, 0)
     if num_ok == 0:
         raise RuntimeError(f"no request of the capacity measurement completed: {summary.outcomes}")

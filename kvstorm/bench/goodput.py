@@ -35,6 +35,7 @@ from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig, RunResult
+from loadgen.runner import run_event_loop
 from loadgen.spec import parse_duration
 
 PREDICTION_TOLERANCE_BUCKETS = ("0.75", "1.25")  # predicted / observed within 25% either way
@@ -200,7 +201,7 @@ class _Bench:
                 seed=args.seed,
                 slo=self.slo,
             )
-            result, error, probes = asyncio.run(_measure(config, args.warm_up))
+            result, error, probes = run_event_loop(_measure(config, args.warm_up))
         result.write(args.results_dir / f"goodput-{admission}-{rate:.3f}.json")
         return result, error, probes
 

