@@ -55,16 +55,7 @@ async def run_benchmark(
                 config, config.workers, extra_body=extra_body, api_key=api_key, counters=counters
             )
     else:
-        client = StreamingClient(
-            config.base_url,
-            config.model,
-            request_timeout_s=config.request_timeout_s,
-            stall_timeout_s=config.stall_timeout_s,
-            exact_output=config.exact_output,
-            extra_body=extra_body,
-            api_key=api_key,
-            counters=counters,
-        )
+        client = StreamingClient.for_run(config, extra_body=extra_body, api_key=api_key, counters=counters)
         async with client, progress:
             records, timing = await plan.run(client, config.max_concurrency)
     summary = summarize(records, timing.duration_s, slos, plan.num_turns)

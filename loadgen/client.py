@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -17,6 +17,9 @@ from loadgen.counters import RunCounters
 from loadgen.records import Outcome, RequestRecord
 from loadgen.tracker import StreamTracker
 from loadgen.workloads import PlannedRequest, request_body
+
+if TYPE_CHECKING:
+    from loadgen.results import RunConfig
 
 
 class StallTimeout(Exception):
@@ -53,6 +56,27 @@ class StreamingClient:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.counters = counters or RunCounters()
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def for_run(
+        cls,
+        config: RunConfig,
+        *,
+        extra_body: dict[str, Any] | None = None,
+        api_key: str | None = None,
+        counters: RunCounters | None = None,
+    ) -> StreamingClient:
+        """The client that sends ``config``'s run."""
+        return cls(
+            config.base_url,
+            config.model,
+            request_timeout_s=config.request_timeout_s,
+            stall_timeout_s=config.stall_timeout_s,
+            exact_output=config.exact_output,
+            extra_body=extra_body,
+            api_key=api_key,
+            counters=counters,
+        )
 
     async def __aenter__(self) -> StreamingClient:
         connector = aiohttp.TCPConnector(limit=0)

@@ -48,7 +48,7 @@ class RunConfig(BaseModel):
     seed: int
     slo: str | None
     # Processes the sending was shared by (loadgen.workers).
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1, le=256)
 
 
 class RunResult(BaseModel):

@@ -3,9 +3,9 @@
 Each worker is a process of its own (spawned, so it shares nothing with the caller's event loop), with its own
 event loop and aiohttp session. It plans the whole run from the configuration (:func:`loadgen.plan.plan_run`, a
 pure function of the seed) and sends its shard (:meth:`loadgen.plan.RunPlan.shard`) at the planned instants. The
-caller waits until every worker has planned and connected nothing yet, then hands all of them one zero on
-CLOCK_MONOTONIC (perf_counter on Linux, one clock for every process of a host): a request's scheduled instant, its
-send time and every token time are on the same clock whichever worker sent it, so the merged records are one run.
+caller waits until every worker has planned its shard, then hands all of them one zero on CLOCK_MONOTONIC
+(perf_counter on Linux, one clock for every process of a host): a request's scheduled instant, its send time and
+every token time are on the same clock whichever worker sent it, so the merged records are one run.
 
 Live counts come back through shared memory, one row per worker written only by that worker; each worker's records
 come back once, when its shard has ended. A worker that fails ends the run with its error, and every worker is
@@ -170,17 +170,7 @@ def _worker_main(task: WorkerTask, counts, results, start_reader) -> None:
 
 async def _run_shard(task: WorkerTask, plan: RunPlan, start: RunStart, counts) -> list[RequestRecord]:
     counters = RunCounters()
-    config = task.config
-    client = StreamingClient(
-        config.base_url,
-        config.model,
-        request_timeout_s=config.request_timeout_s,
-        stall_timeout_s=config.stall_timeout_s,
-        exact_output=config.exact_output,
-        extra_body=task.extra_body,
-        api_key=task.api_key,
-        counters=counters,
-    )
+    client = StreamingClient.for_run(task.config, extra_body=task.extra_body, api_key=task.api_key, counters=counters)
     publisher = asyncio.create_task(_publish_counts(counters, counts, task.shard))
     try:
         async with client:
