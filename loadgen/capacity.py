@@ -3,11 +3,11 @@
 For each level (concurrent streams), the scripted server, alone on its CPU, streams ``num_tokens`` tokens per request
 ``gap_s`` apart after ``ttft_s``; the client, one or more worker processes (:mod:`loadgen.workers`) each alone on its
 CPU where the machine has enough (:class:`Placement`), sends Poisson arrivals at the rate that keeps that many streams
-open. Timing error is what the client recorded for each
-token minus the server's stamp after writing it (same monotonic clock). Both run at timing priority where allowed
-(:func:`loadgen.scripted_server.prioritize_timing`). A level counts as sustained when the error's p99 is under
-1 ms and no request failed. Each row also shows the server's lateness against its own script: when that is large,
-the server (or a neighbour on its CPU), not the client, set the limit. Linux only (CPU pinning, /proc).
+open. Timing error is what the client recorded for each token minus the server's stamp after writing it (same
+monotonic clock). Both run at timing priority where allowed (:func:`loadgen.scripted_server.prioritize_timing`). A
+level counts as sustained when the error's p99 is under 1 ms and no request failed. Each row also shows the server's
+lateness against its own script: when that is large, the server (or a neighbour on its CPU), not the client, set the
+limit. Linux only (CPU pinning, /proc).
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ class Placement:
         return len(set(self.worker_cpus))
 
     def describe(self) -> str:
-        workers = len(self.worker_cpus)
+        workers, first_cpu = len(self.worker_cpus), self.worker_cpus[0][0]
         if workers == 1:
-            return f"client on CPU {self.worker_cpus[0][0]}, scripted server on CPU {self.server_cpu}"
-        cpus = ", ".join(str(cpu) for (cpu,) in self.worker_cpus)
-        shared = f"{workers} client processes sharing CPU {cpus.split(',')[0]}" if self.client_cores == 1 else ""
-        return (shared or f"{workers} client processes on CPUs {cpus}") + f", scripted server on CPU {self.server_cpu}"
+            clients = f"client on CPU {first_cpu}"
+        elif self.client_cores == 1:
+            clients = f"{workers} client processes sharing CPU {first_cpu}"
+        else:
+            clients = f"{workers} client processes on CPUs {', '.join(str(cpu) for (cpu,) in self.worker_cpus)}"
+        return f"{clients}, scripted server on CPU {self.server_cpu}"
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,10 @@ class PromSeries(BaseModel):
     points: list[tuple[float, float]]
 
 
+# The most processes one run may be sent from (a bound on an operator's typo, not a measured limit).
+MAX_WORKERS = 256
+
+
 class RunConfig(BaseModel):
     base_url: str
     model: str
@@ -48,7 +52,7 @@ class RunConfig(BaseModel):
     seed: int
     slo: str | None
     # Processes the sending was shared by (loadgen.workers).
-    workers: int = Field(1, ge=1, le=256)
+    workers: int = Field(1, ge=1, le=MAX_WORKERS)
 
 
 class RunResult(BaseModel):

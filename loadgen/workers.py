@@ -72,7 +72,6 @@ async def run_in_workers(
     if counters is not None and counters.on_record is not None:
         raise ValueError("records from worker processes arrive at the end of their shards, not one by one")
     counters = counters or RunCounters()
-    counters.total = plan_run(config).num_requests
     context = multiprocessing.get_context("spawn")
     counts = context.Array("q", len(COUNT_FIELDS) * num_workers, lock=False)
     results = context.Queue()
@@ -95,7 +94,8 @@ async def run_in_workers(
         process.start()
     copier = None
     try:
-        await asyncio.to_thread(_collect, results, processes, "ready", WORKER_READY_TIMEOUT_S)
+        shard_sizes = await asyncio.to_thread(_collect, results, processes, "ready", WORKER_READY_TIMEOUT_S)
+        counters.total = sum(shard_sizes.values())
         start = RunStart.soon()
         for _, writer in starts:
             writer.send(start)

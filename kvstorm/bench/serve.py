@@ -17,7 +17,7 @@ from loadgen.capacity import CapacityRow, Placement, measure_capacity
 from loadgen.capacity import __doc__ as CAPACITY_DOC
 from loadgen.records import Outcome
 from loadgen.report import write_report
-from loadgen.results import RunConfig, read_fault_windows
+from loadgen.results import MAX_WORKERS, RunConfig, read_fault_windows
 from loadgen.runner import run_event_loop
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
@@ -28,6 +28,16 @@ def _duration(text: str) -> float:
         return parse_duration(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _worker_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"not a number of worker processes from 1 to {MAX_WORKERS}: {text!r}")
+    return int(text)
+
+
+def _worker_counts(text: str) -> list[int]:
+    return [_worker_count(count) for count in text.split(",")]
 
 
 def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +67,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument("--max-concurrency", type=int, default=None, help="client-side cap (reported as such)")
     parser.add_argument(
         "--workers",
-        type=int,
+        type=_worker_count,
         default=1,
         help="processes that share the sending (past what one client core sustains: see client-capacity)",
     )
@@ -87,14 +97,16 @@ def add_bench_client_capacity_parser(bench_subparsers: argparse._SubParsersActio
     parser.add_argument("--gap", type=_duration, default=0.02, help="scripted gap between tokens")
     parser.add_argument("--tokens", type=int, default=100, help="tokens per stream")
     parser.add_argument("--steady", type=_duration, default=4.0, help="how long each level keeps its streams open")
-    parser.add_argument("--workers", default="1", help="client processes to try, in order (e.g. 1,2)")
+    parser.add_argument(
+        "--workers", type=_worker_counts, default=[1], help="client processes to try, in order (e.g. 1,2)"
+    )
 
 
 def run_bench_client_capacity(args: argparse.Namespace) -> BenchReport:
     levels = [int(level) for level in args.levels.split(",")]
     load_before = os.getloadavg()[0]
     placements, rows = {}, {}
-    for workers in (int(count) for count in args.workers.split(",")):
+    for workers in args.workers:
         placements[workers] = Placement.for_workers(workers)
         rows[workers] = measure_capacity(
             levels, ttft_s=args.ttft, gap_s=args.gap, num_tokens=args.tokens, steady_s=args.steady, workers=workers
