@@ -27,84 +27,19 @@ clear or a lease expiry is not stuck behind a long sleep.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from engine.core.fault_limits import DELAY_SLICE_S, MAX_COUNT, MAX_DELAY_S, MAX_MEMORY_HOG_BYTES, parse_seconds
+from engine.core.fault_limits import DELAY_SLICE_S, FaultValues
 from engine.core.outputs import SchedulerOutput
 
 
-@dataclass(frozen=True)
-class PoolCap:
-    """A cap on a block pool: a number of its blocks or a fraction of them."""
-
-    blocks: int | None = None
-    fraction: float | None = None
-
-    @classmethod
-    def parse(cls, name: str, value: object) -> PoolCap:
-        if not isinstance(value, dict) or len(value) != 1 or not value.keys() <= {"blocks", "fraction"}:
-            raise ValueError(f'{name} must be {{"blocks": N}} or {{"fraction": F}} or null, got {value!r}')
-        blocks, fraction = value.get("blocks"), value.get("fraction")
-        if "blocks" in value and (type(blocks) is not int or blocks < 0):
-            raise ValueError(f"{name}.blocks must be an integer >= 0, got {blocks!r}")
-        if "fraction" in value and (type(fraction) not in (int, float) or not 0 <= fraction <= 1):
-            raise ValueError(f"{name}.fraction must be a number in [0, 1], got {fraction!r}")
-        return cls(blocks=blocks, fraction=None if fraction is None else float(fraction))
-
-    def num_blocks(self, pool_size: int) -> int:
-        """How many of a pool of ``pool_size`` blocks stay usable."""
-        if self.blocks is not None:
-            return min(self.blocks, pool_size)
-        return min(pool_size, math.floor(self.fraction * pool_size))
-
-    def to_json(self) -> dict[str, float]:
-        return {"blocks": self.blocks} if self.blocks is not None else {"fraction": self.fraction}
-
-
 @dataclass
-class EngineFaults:
-    kv_cap: PoolCap | None = None
-    swap_cap: PoolCap | None = None
-    swap_delay_per_block: float = 0.0
-    step_delay: float = 0.0
-    oom_above_batched_tokens: int | None = None
-    fail_next_steps: int = 0
-    memory_hog: int = 0
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    def validated(self, changes: dict[str, object]) -> dict[str, object]:
-        """``changes`` checked and converted; ``ValueError`` names the first bad fault and why."""
-        parsed = {}
-        for name, value in changes.items():
-            if name not in self.names():
-                raise ValueError(f"unknown fault {name!r}; faults: {', '.join(self.names())}")
-            parsed[name] = _parse(name, value)
-        return parsed
-
-    def apply(self, parsed: dict[str, object]) -> None:
-        """Set values that ``validated`` returned."""
-        for name, value in parsed.items():
-            setattr(self, name, value)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            name: value.to_json() if isinstance(value, PoolCap) else value
-            for name in self.names()
-            for value in [getattr(self, name)]
-        }
-
-    def active(self) -> dict[str, bool]:
-        return {name: getattr(self, name) not in (None, 0) for name in self.names()}
-
-    # ---- where the runner raises them ----------------------------------------------------------
+class EngineFaults(FaultValues):
+    """The faults' values, and where the model runner raises them."""
 
     def cut_delays(self) -> None:
         """End the delays now, a sleep in progress included (within a slice). Safe from any thread: two float
@@ -116,18 +51,13 @@ class EngineFaults:
         """The step's slowness, then its out-of-memory faults."""
         if self.step_delay:
             _sleep_while_wanted(lambda: self.step_delay)
-        if self.fail_next_steps > 0:
-            self.fail_next_steps -= 1
-            raise torch.OutOfMemoryError(f"injected: out of memory in a step of {output.num_batched_tokens} tokens")
-        cap = self.oom_above_batched_tokens
-        if cap is not None and output.num_batched_tokens > cap:
-            raise torch.OutOfMemoryError(
-                f"injected VRAM cap: a step of {output.num_batched_tokens} tokens, room for {cap}"
-            )
+        failure = self.take_step_failure(output.num_batched_tokens)
+        if failure is not None:
+            raise torch.OutOfMemoryError(failure)
 
     def delay_block_moves(self, num_blocks: int) -> None:
         if self.swap_delay_per_block and num_blocks:
-            _sleep_while_wanted(lambda: min(MAX_DELAY_S, self.swap_delay_per_block * num_blocks))
+            _sleep_while_wanted(lambda: self.block_moves_delay_s(num_blocks))
 
 
 def _sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
@@ -135,17 +65,3 @@ def _sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
     start = time.monotonic()
     while (left_s := wanted_s() - (time.monotonic() - start)) > 0:
         time.sleep(min(left_s, DELAY_SLICE_S))
-
-
-def _parse(name: str, value: object) -> object:
-    if name in ("kv_cap", "swap_cap"):
-        return None if value is None else PoolCap.parse(name, value)
-    if name in ("swap_delay_per_block", "step_delay"):
-        return parse_seconds(name, value)
-    if name == "oom_above_batched_tokens" and value is None:
-        return None
-    maximum = MAX_MEMORY_HOG_BYTES if name == "memory_hog" else MAX_COUNT
-    if type(value) is not int or not 0 <= value <= maximum:
-        or_null = " or null" if name == "oom_above_batched_tokens" else ""
-        raise ValueError(f"{name} must be an integer in [0, {maximum}]{or_null}, got {value!r}")
-    return value
