@@ -40,6 +40,7 @@ from engine.core.preemption import PreemptionPolicy
 from engine.core.request import Request
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.step_cost import StepShape
 from engine.core.stopping import check_stop, releasable_text_end
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
@@ -261,11 +262,7 @@ class LLMEngine:
         if "memory_hog" in parsed:
             self._hold_device_memory(parsed["memory_hog"])
         self.faults.apply(parsed)
-        for pool, cap in (
-            (self.kv_cache_manager.device_pool, self.faults.kv_cap),
-            (self.kv_cache_manager.host_pool, self.faults.swap_cap),
-        ):
-            pool.set_capacity(pool.num_blocks if cap is None else cap.num_blocks(pool.num_blocks))
+        self.faults.cap_pools(self.kv_cache_manager.device_pool, self.kv_cache_manager.host_pool)
         return self.faults.to_json()
 
     def clear_faults(self) -> dict[str, object]:
@@ -443,21 +440,23 @@ class LLMEngine:
     def _record(self, output: SchedulerOutput, duration_s: float, swap_s: float, error: str | None = None) -> None:
         if self.config.debug_invariants:
             self.scheduler.check_invariants()
-        num_prefill = sum(s.num_new_tokens for s in output.scheduled if s.num_new_tokens > 1)
+        shape = StepShape.of_batch((s.num_computed_tokens, s.num_new_tokens) for s in output.scheduled)
         self.preemption_log.extend(output.preemptions)
-        if error is None and num_prefill > output.num_batched_tokens // 2:
+        if error is None and shape.num_prefill_tokens > output.num_batched_tokens // 2:
             self.preemption_policy.observe_prefill(output.num_batched_tokens, duration_s)
         self.preemption_policy.observe_swap(len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in), swap_s)
         self.last_step = StepStats(
             num_scheduled=len(output.scheduled),
             num_batched_tokens=output.num_batched_tokens,
-            num_prefill_tokens=num_prefill,
+            num_prefill_tokens=shape.num_prefill_tokens,
             num_swapped_in_blocks=len(output.blocks_to_swap_in),
             num_swapped_out_blocks=len(output.blocks_to_swap_out),
             preemptions=tuple(output.preemptions),
             duration_s=duration_s,
             swap_s=swap_s,
             error=error,
+            num_context_tokens=shape.num_context_tokens,
+            num_attended_pairs=shape.num_attended_pairs,
         )
 
 

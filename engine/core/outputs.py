@@ -201,6 +201,10 @@ class StepStats:
     num_swapped_in_blocks: int
     num_swapped_out_blocks: int
     duration_s: float
+    # KV tokens the step's rows hold after it, and the (new token, key) pairs its attention scored
+    # (``engine.core.step_cost.StepShape``: what a step-cost model is fitted on).
+    num_context_tokens: int = 0
+    num_attended_pairs: int = 0
     preemptions: tuple[PreemptionEvent, ...] = ()
     # Time spent moving blocks between the device and host pools.
     swap_s: float = 0.0
