@@ -42,7 +42,7 @@ class Forecast:
     tpot_s: float | None
 
 
-class _ForecastRequest:
+class ForecastRequest:
     """A request as the forecast's scheduler sees it (``engine.core.scheduler.SchedulableRequest``)."""
 
     __slots__ = (
@@ -76,14 +76,18 @@ class _ForecastRequest:
         self.block_hashes = list(work.block_hashes)
         self.num_cached_tokens: int | None = None
 
-    def add_invented_output(self, block_size: int, hashed: bool) -> None:
-        """One more output token, whose value the forecast cannot know. With ``hashed`` (prefix caching on), a
-        block it fills gets a hash of its own all the same: no other request shares it, but a recompute of this
+    def add_invented_outputs(self, count: int, block_size: int, hashed: bool) -> None:
+        """``count`` more output tokens, whose values the forecast cannot know. With ``hashed`` (prefix caching on),
+        a block they fill gets a hash of its own all the same: no other request shares it, but a recompute of this
         one finds it cached, as in the engine."""
-        self.num_tokens += 1
-        if hashed and self.num_tokens % block_size == 0 and len(self.block_hashes) == self.num_tokens // block_size - 1:
-            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-            self.block_hashes.append(hash_block(parent, (), f"invented {self.request_id}".encode()))
+        first_filled = self.num_tokens // block_size + 1
+        self.num_tokens += count
+        if not hashed:
+            return
+        for num_full in range(first_filled, self.num_tokens // block_size + 1):
+            if len(self.block_hashes) == num_full - 1:
+                parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+                self.block_hashes.append(hash_block(parent, (), f"invented {self.request_id}".encode()))
 
 
 def scheduler_from_snapshot(snapshot: EngineSnapshot, info: EngineInfo) -> Scheduler:
@@ -124,10 +128,10 @@ def forecast(
         (RequestStatus.WAITING, (*snapshot.waiting_work, *in_engine)),
     ):
         for work in works:
-            scheduler.restore_request(_ForecastRequest(next(names), work), status, work.num_blocks, work.table_hashes)
+            scheduler.restore_request(ForecastRequest(next(names), work), status, work.num_blocks, work.table_hashes)
     scheduler.kv.restore_evictable(snapshot.evictable_block_hashes)
-    later = [_ForecastRequest(next(names), work) for work in arriving]
-    new_request = _ForecastRequest(next(names), new)
+    later = [ForecastRequest(next(names), work) for work in arriving]
+    new_request = ForecastRequest(next(names), new)
     later.append(new_request)
     if not scheduler.has_unfinished_requests():  # an idle engine runs no step now: the new one is in the next
         _add_all(scheduler, later)
@@ -144,7 +148,7 @@ def forecast(
         if queue_s is None and any(request is new_request for request, _ in plan.batch):
             queue_s = max(t, 0.0)
         t += duration_s
-        if _advance(scheduler, plan, new_request):
+        if new_request in advance(scheduler, plan):
             if ttft_s is None:
                 ttft_s = t
             else:
@@ -159,24 +163,24 @@ def forecast(
     )
 
 
-def _add_all(scheduler: Scheduler, requests: list[_ForecastRequest]) -> None:
+def _add_all(scheduler: Scheduler, requests: list[ForecastRequest]) -> None:
     for request in requests:
         scheduler.add_request(request)
     requests.clear()
 
 
-def _advance(scheduler: Scheduler, plan: StepPlan, watched: _ForecastRequest) -> bool:
+def advance(scheduler: Scheduler, plan: StepPlan) -> list[ForecastRequest]:
     """The step ran as planned: each request in it computed its tokens, and one that caught up sampled an output
-    (finishing after its last). True if ``watched`` sampled one."""
+    (finishing after its last). Returns those that sampled one, in batch order."""
     scheduler.back_off.on_success()
-    watched_sampled = False
+    sampled = []
     for request, num_new in plan.batch:
         scheduler.record_computed(request, num_new)
         if request.num_computed_tokens < request.num_tokens:
             continue
-        watched_sampled = watched_sampled or request is watched
-        request.add_invented_output(scheduler.kv.block_size, scheduler.kv.enable_prefix_caching)
+        sampled.append(request)
+        request.add_invented_outputs(1, scheduler.kv.block_size, scheduler.kv.enable_prefix_caching)
         request.num_remaining_outputs -= 1
         if request.num_remaining_outputs <= 0:
             scheduler.finish_request(request.request_id, FinishReason.LENGTH)
-    return watched_sampled
+    return sampled

@@ -1,0 +1,439 @@
+"""The engine in virtual time: the real scheduler, KV cache manager, preemption policy and step back-off, with a
+step-cost model (``engine.core.step_cost``) where the model runner would be.
+
+Every rule is the engine's own: ``Scheduler.plan_step`` decides each step (budget, chunked prefill, watermark,
+preemption by swap or recompute chosen by the same policy, which learns from the simulated step times as the engine's
+learns from measured ones, prefix caching) and ``engine.core.forecast.advance`` moves it on, as the admission
+forecast does. A step takes what the cost model says for its shape, plus its block moves, plus the faults active at
+its start; a token reaches its client the engine's token latency after the step that sampled it ends. A request
+produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token).
+
+Faults follow a timeline of windows, each set at its start and cleared at its end as a chaos experiment's rollback
+clears it: the engine's run-time faults (``engine.core.fault_limits.FaultValues``: a KV cap, a swap cap, a slow host
+link, slow steps, out-of-memory steps), or a kill (every stream in the engine breaks, requests arriving while it is
+down are refused, and it restarts empty, with no fault, at the window's end).
+
+What it does not model: admission control (every request is admitted), the serving layer's costs beyond what the
+step-cost model and the token latency were fitted on, and clients that stall (a client gives up only after its
+request timeout).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.core.block_hash import BlockHash
+from engine.core.block_pool import BlockPool
+from engine.core.config import PreemptionMode, SchedulerConfig
+from engine.core.fault_limits import FaultValues
+from engine.core.forecast import ForecastRequest, advance
+from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
+from engine.core.outputs import FinishReason, RemainingWork
+from engine.core.preemption import PreemptionPolicy
+from engine.core.scheduler import Scheduler
+from engine.core.step_cost import StepShape
+
+# What a step of a prefill-only batch of this many tokens costs is the preemption policy's first estimate of
+# recompute (the engine measures the same at start-up).
+PROBE_PREFILL_TOKENS = 512
+
+
+class StepCost(Protocol):
+    swap_block_s: float
+
+    def step_s(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True)
+class SimulatedEngine:
+    """The engine simulated: its pools, rules and step costs."""
+
+    num_device_blocks: int
+    num_host_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    cost: StepCost
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+    # From the end of the step that made a token to the client holding it: the server's event loop, the socket, the
+    # client's parsing. It shifts every token alike, so it adds to TTFT and E2E, not to the gaps between tokens.
+    token_latency_s: float = 0.0
+
+    def fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why the engine refuses such a request before it starts (a 400), or None."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            return (
+                f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) exceeds the context ({self.max_model_len})"
+            )
+        if num_blocks_for(total, self.block_size) > self.num_device_blocks:
+            return f"it needs more KV blocks than the whole pool ({self.num_device_blocks})"
+        return None
+
+
+@dataclass(frozen=True)
+class SimulatedArrival:
+    """A request as it reaches the server: when, and what it asks for."""
+
+    index: int
+    at_s: float
+    num_prompt_tokens: int
+    max_tokens: int
+    # Its prompt's full blocks (``engine.core.block_hash``): what a prefix cache can find of it.
+    block_hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """``changes`` (``/admin/faults`` values) from ``start_s`` to ``end_s``; ``changes`` None: the engine is killed at
+    ``start_s`` and serves again at ``end_s``."""
+
+    name: str
+    start_s: float
+    end_s: float
+    changes: dict[str, object] | None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_s < self.end_s < math.inf:
+            raise ValueError(f"fault {self.name!r}: needs 0 <= start < end, got {self.start_s} and {self.end_s}")
+        if self.changes is not None:
+            FaultValues().validated(self.changes)
+            if "memory_hog" in self.changes:
+                raise ValueError("memory_hog is not simulated: the simulator has no device memory outside its pools")
+
+
+class Outcome:
+    """How a request ended for its client: the load generator's outcome classes (``loadgen.records.Outcome``), which
+    the engine does not import."""
+
+    OK = "ok"
+    REJECTED = "rejected"
+    BROKEN_STREAM = "broken_stream"
+    CLIENT_TIMEOUT = "client_timeout"
+
+
+class SimulatedRequest(ForecastRequest):
+    """A request with what its client would see: when each token arrived and how it ended."""
+
+    __slots__ = ("arrival", "error", "outcome", "token_times_s")
+
+    def __init__(self, arrival: SimulatedArrival) -> None:
+        super().__init__(
+            str(arrival.index),
+            RemainingWork(
+                arrival.num_prompt_tokens, 0, arrival.max_tokens, arrival.at_s, block_hashes=arrival.block_hashes
+            ),
+        )
+        self.arrival = arrival
+        self.token_times_s: list[float] = []
+        self.outcome: str | None = None
+        self.error = ""
+
+
+@dataclass
+class StepSample:
+    """The engine after one step: what a Prometheus scrape would read then."""
+
+    end_s: float
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_usage: float
+    num_preemptions: dict[str, int]
+
+
+@dataclass
+class SimulationResult:
+    requests: list[SimulatedRequest]
+    steps: list[StepSample] = field(default_factory=list)
+    # Steps whose forward pass failed (out-of-memory faults), preemptions by mode, blocks moved each way.
+    num_failed_steps: int = 0
+    preemptions: dict[str, int] = field(
+        default_factory=lambda: {mode.value: 0 for mode in (PreemptionMode.SWAP, PreemptionMode.RECOMPUTE)}
+    )
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_steps: int = 0
+    end_s: float = 0.0
+
+
+class Simulation:
+    """One run of ``engine`` under ``arrivals`` and ``faults``; ``run`` returns what every request saw."""
+
+    def __init__(
+        self,
+        engine: SimulatedEngine,
+        arrivals: Sequence[SimulatedArrival],
+        faults: Sequence[FaultWindow] = (),
+        request_timeout_s: float = 600.0,
+        keep_steps: bool = True,
+        check_invariants: bool = False,
+        fast_forward: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.arrivals = sorted(arrivals, key=lambda a: (a.at_s, a.index))
+        self.request_timeout_s = request_timeout_s
+        self.keep_steps = keep_steps
+        # After every step, the block and queue invariants the engine's debug flag checks (tests).
+        self.check_invariants = check_invariants
+        # Runs of decode-only steps in one go (``_decode_run``); off, every step is planned on its own (tests).
+        self.fast_forward = fast_forward
+        # (time, order, window, starts): the timeline's boundaries in order; a clear before a set at one instant.
+        self.boundaries = sorted(
+            [(w.start_s, 1, i, w, True) for i, w in enumerate(faults)]
+            + [(w.end_s, 0, i, w, False) for i, w in enumerate(faults)]
+        )
+        self.faults = FaultValues()
+        self.down_until_s: float | None = None
+        self.result = SimulationResult([SimulatedRequest(arrival) for arrival in self.arrivals])
+        self.scheduler = self._fresh_scheduler()
+
+    def run(self) -> SimulationResult:
+        t = 0.0
+        next_arrival = next_boundary = 0
+        deadlines: list[tuple[float, int]] = []  # (when its client gives up, index)
+        requests = self.result.requests
+        while True:
+            # What happened during the last step, in the order it happened: a request that arrived before a kill
+            # was streaming when it came.
+            while True:
+                arrival_s = requests[next_arrival].arrival.at_s if next_arrival < len(requests) else math.inf
+                boundary_s = self.boundaries[next_boundary][0] if next_boundary < len(self.boundaries) else math.inf
+                if min(arrival_s, boundary_s) > t:
+                    break
+                if boundary_s <= arrival_s:
+                    self._cross(self.boundaries[next_boundary])
+                    next_boundary += 1
+                    continue
+                request = requests[next_arrival]
+                next_arrival += 1
+                if self._admit(request):
+                    heapq.heappush(deadlines, (arrival_s + self.request_timeout_s, next_arrival - 1))
+            while deadlines and deadlines[0][0] <= t:
+                _, index = heapq.heappop(deadlines)
+                self._time_out(requests[index])
+            next_arrival_s = requests[next_arrival].arrival.at_s if next_arrival < len(requests) else math.inf
+            next_boundary_s = self.boundaries[next_boundary][0] if next_boundary < len(self.boundaries) else math.inf
+            duration_s = 0.0
+            if self.scheduler.has_unfinished_requests():
+                next_deadline_s = deadlines[0][0] if deadlines else math.inf
+                until_s = min(next_arrival_s, next_boundary_s, next_deadline_s)
+                duration_s = (self.fast_forward and self._decode_run(t, until_s)) or self._step(t)
+            if duration_s:
+                t += duration_s
+                continue
+            # Idle, or nothing it holds can run now (under a cap): on to whatever comes next.
+            later = min(next_arrival_s, next_boundary_s)
+            if deadlines and self.scheduler.has_unfinished_requests():
+                later = min(later, deadlines[0][0])
+            if later == math.inf:
+                break
+            t = max(t, later)
+        for request in list(self.scheduler.requests.values()):  # nothing left could ever run them
+            self._time_out(request)
+        self.result.end_s = t
+        return self.result
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def _decode_run(self, t: float, until_s: float) -> float:
+        """Many steps at once, where each of them would decode one token of every running request and nothing else
+        can happen between them: nothing waits or is swapped out, the batch limits hold every running request, no
+        fault fails a step, and the pool has the blocks the run needs (so none is preempted). The run ends at the
+        step in which ``until_s`` (an arrival, a fault's boundary, a client's deadline) passes, or at the first
+        request's last token. The same decisions and times as planning each step (a test compares them), at a cost
+        per run instead of per token. Returns its duration, 0 when it does not apply."""
+        scheduler, faults = self.scheduler, self.faults
+        running = scheduler.running
+        limit = scheduler.back_off.limit
+        num_rows = len(running)
+        if (
+            scheduler.waiting
+            or scheduler.swapped
+            or scheduler.back_off.is_backing_off
+            or num_rows > min(limit.max_num_seqs, limit.max_num_batched_tokens)
+            or faults.fail_next_steps
+            or (faults.oom_above_batched_tokens is not None and num_rows > faults.oom_above_batched_tokens)
+            or scheduler.kv.device_pool.num_over_capacity
+        ):
+            return 0.0
+        max_steps = math.inf
+        for request in running:
+            if request.num_computed_tokens != request.num_tokens - 1:  # a prompt (or a recompute) is not done
+                return 0.0
+            max_steps = min(max_steps, request.num_remaining_outputs)
+        max_steps = self._steps_with_blocks(max_steps)
+        if max_steps < 2:
+            return 0.0
+        cost, latency_s = self.engine.cost, self.engine.token_latency_s
+        context = sum(r.num_computed_tokens for r in running)
+        elapsed_s, delivered = 0.0, []
+        for _ in range(max_steps):
+            context += num_rows  # each decode attends to its whole context, the new token's own key included
+            elapsed_s += cost.step_s(StepShape(0, num_rows, context, context)) + faults.step_delay
+            delivered.append(t + elapsed_s + latency_s)
+            if t + elapsed_s >= until_s:
+                break
+        num_steps = len(delivered)
+        kv = scheduler.kv
+        block_size, hashed = kv.block_size, kv.enable_prefix_caching
+        for request in list(running):
+            computed = request.num_computed_tokens
+            # The scheduler's own calls where a block of its table starts, of its KV fills or of its tokens fills (so
+            # gets a hash); plain counting where none does (most requests in a short run).
+            if (computed - 1) // block_size != (computed + num_steps + 1) // block_size:
+                kv.allocate_slots(request.request_id, computed + num_steps)
+                scheduler.record_computed(request, num_steps)
+                request.add_invented_outputs(num_steps, block_size, hashed)
+            else:
+                request.num_computed_tokens += num_steps
+                request.num_tokens += num_steps
+            request.num_remaining_outputs -= num_steps
+            request.token_times_s.extend(delivered)
+            if request.num_remaining_outputs <= 0:
+                scheduler.finish_request(request.request_id, FinishReason.LENGTH)
+                self._end(request, Outcome.OK)
+        scheduler.back_off.on_success()
+        self.result.num_steps += num_steps
+        if self.check_invariants:
+            scheduler.check_invariants()
+        if self.keep_steps:
+            self._sample(t + elapsed_s)
+        return elapsed_s
+
+    def _steps_with_blocks(self, max_steps: int) -> int:
+        """The most decode steps (up to ``max_steps``) in which no running request lacks a block."""
+        kv = self.scheduler.kv
+        block_size, free = kv.block_size, kv.device_pool.num_free_blocks
+        if free >= len(self.scheduler.running) * (max_steps // block_size + 1):  # a block per row per block of steps
+            return max_steps
+        tables = [(r.num_computed_tokens, len(kv.block_ids(r.request_id))) for r in self.scheduler.running]
+
+        def blocks_needed(num_steps: int) -> int:
+            return sum(max(0, -(-(computed + num_steps) // block_size) - held) for computed, held in tables)
+
+        low, high = 0, max_steps  # blocks_needed grows with the steps: the largest that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if blocks_needed(middle) <= free else (low, middle - 1)
+        return low
+
+    def _step(self, t: float) -> float:
+        """Plan and run one step starting at ``t``; its duration, or 0 when nothing could be scheduled."""
+        scheduler, cost, result = self.scheduler, self.engine.cost, self.result
+        plan = scheduler.plan_step()
+        num_moved = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
+        if not plan.batch and not num_moved and not plan.preemptions:
+            return 0.0
+        result.num_steps += 1
+        for event in plan.preemptions:
+            result.preemptions[event.mode.value] += 1
+        result.num_swapped_out_blocks += len(plan.blocks_to_swap_out)
+        result.num_swapped_in_blocks += len(plan.blocks_to_swap_in)
+        swap_s = num_moved * cost.swap_block_s + self.faults.block_moves_delay_s(num_moved) if num_moved else 0.0
+        failure = self.faults.take_step_failure(plan.num_batched_tokens) if plan.batch else None
+        shape = StepShape.of_batch([(r.num_computed_tokens, n) for r, n in plan.batch] if failure is None else [])
+        duration_s = swap_s + self.faults.step_delay + cost.step_s(shape)
+        end_s = t + duration_s
+        if failure is not None:
+            result.num_failed_steps += 1
+            if scheduler.back_off.on_failure(len(plan.batch), plan.num_batched_tokens):
+                victim = plan.batch[0][0]
+                scheduler.finish_request(victim.request_id, FinishReason.ERROR)
+                self._end(victim, Outcome.BROKEN_STREAM, f"the engine gave up on it after failed steps: {failure}")
+        else:
+            delivered_s = end_s + self.engine.token_latency_s
+            for request in advance(scheduler, plan):
+                request.token_times_s.append(delivered_s)
+                if request.num_remaining_outputs <= 0:
+                    self._end(request, Outcome.OK)
+            if shape.num_prefill_tokens > plan.num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
+                scheduler.preemption_policy.observe_prefill(plan.num_batched_tokens, duration_s)
+        scheduler.preemption_policy.observe_swap(num_moved, swap_s)
+        if self.check_invariants:
+            scheduler.check_invariants()
+        if self.keep_steps:
+            self._sample(end_s)
+        return duration_s
+
+    def _sample(self, end_s: float) -> None:
+        stats = self.scheduler.stats()
+        self.result.steps.append(
+            StepSample(
+                end_s=end_s,
+                num_running=stats.num_running,
+                num_waiting=stats.num_waiting,
+                num_swapped=stats.num_swapped,
+                kv_usage=1 - stats.num_free_device_blocks / max(stats.num_device_blocks, 1),
+                num_preemptions=dict(self.result.preemptions),
+            )
+        )
+
+    # ---- requests in and out ------------------------------------------------------------------
+
+    def _admit(self, request: SimulatedRequest) -> bool:
+        arrival = request.arrival
+        if self.down_until_s is not None:
+            self._end(request, Outcome.REJECTED, "connection refused: the engine is down (killed)")
+            return False
+        refusal = self.engine.fits(arrival.num_prompt_tokens, arrival.max_tokens)
+        if refusal is not None:
+            self._end(request, Outcome.REJECTED, f"400: {refusal}")
+            return False
+        self.scheduler.add_request(request)
+        return True
+
+    def _time_out(self, request: SimulatedRequest) -> None:
+        if request.outcome is not None:
+            return
+        self.scheduler.abort_request(request.request_id)
+        self._end(request, Outcome.CLIENT_TIMEOUT, f"no end within the request timeout ({self.request_timeout_s:g} s)")
+
+    def _end(self, request: SimulatedRequest, outcome: str, error: str = "") -> None:
+        request.outcome, request.error = outcome, error
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    def _cross(self, boundary: tuple[float, int, int, FaultWindow, bool]) -> None:
+        _, _, _, window, starts = boundary
+        if window.changes is None:
+            if starts:
+                self._kill(window)
+            else:
+                self.down_until_s = None
+            return
+        if self.down_until_s is not None:
+            return  # a fault set or cleared on a dead engine: its restart starts with none
+        changes = window.changes if starts else {name: FaultValues().to_json()[name] for name in window.changes}
+        self.faults.apply(self.faults.validated(changes))
+        self.faults.cap_pools(self.scheduler.kv.device_pool, self.scheduler.kv.host_pool)
+
+    def _kill(self, window: FaultWindow) -> None:
+        for request in list(self.scheduler.requests.values()):
+            self._end(request, Outcome.BROKEN_STREAM, f"the engine was killed ({window.name})")
+        self.down_until_s = window.end_s
+        self.faults = FaultValues()
+        self.scheduler = self._fresh_scheduler()
+
+    def _fresh_scheduler(self) -> Scheduler:
+        engine = self.engine
+        kv = KVCacheManager(
+            BlockPool(engine.num_device_blocks, "device"),
+            BlockPool(engine.num_host_blocks, "host"),
+            engine.block_size,
+            engine.enable_prefix_caching,
+        )
+        swap_block_s = engine.cost.swap_block_s
+        policy = PreemptionPolicy(
+            engine.scheduler_config.preemption_mode,
+            engine.bytes_per_block,
+            engine.bytes_per_block / swap_block_s if swap_block_s > 0 else 1e15,
+            PROBE_PREFILL_TOKENS / engine.cost.step_s(StepShape.of_batch([(0, PROBE_PREFILL_TOKENS)])),
+        )
+        return Scheduler(engine.scheduler_config, kv, policy, engine.watermark)

@@ -1,0 +1,201 @@
+"""The simulator runs the engine's own scheduler in virtual time: its clock adds up exactly what the step-cost model
+says, every request ends in the outcome its client would see, the faults act on the timeline and are cleared, and
+the pools and queues keep every invariant after each step."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from engine.core.config import PreemptionMode, SchedulerConfig
+from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, SimulatedEngine, Simulation
+from engine.core.step_cost import LinearStepCost, StepShape
+
+COST = LinearStepCost(
+    per_step_s=0.010,
+    per_prefill_token_s=0.001,
+    per_decode_s=0.002,
+    per_context_token_s=1e-5,
+    per_attended_pair_s=1e-7,
+    swap_block_s=0.0005,
+)
+
+
+def engine(num_device_blocks: int = 1000, mode: PreemptionMode = PreemptionMode.AUTO, **config) -> SimulatedEngine:
+    return SimulatedEngine(
+        num_device_blocks=num_device_blocks,
+        num_host_blocks=400,
+        block_size=16,
+        bytes_per_block=16 * 1024,
+        max_model_len=4096,
+        scheduler_config=SchedulerConfig(preemption_mode=mode, **config),
+        cost=COST,
+    )
+
+
+def poisson(count: int, rate: float, prompt: tuple[int, int], output: tuple[int, int], seed: int = 0):
+    rng = random.Random(seed)
+    t, arrivals = 0.0, []
+    for index in range(count):
+        t += rng.expovariate(rate)
+        arrivals.append(SimulatedArrival(index, t, rng.randint(*prompt), rng.randint(*output)))
+    return arrivals
+
+
+def outcomes(result) -> dict[str, int]:
+    counts = dict.fromkeys((Outcome.OK, Outcome.REJECTED, Outcome.BROKEN_STREAM, Outcome.CLIENT_TIMEOUT), 0)
+    for request in result.requests:
+        counts[request.outcome] += 1
+    return counts
+
+
+def test_one_request_alone_takes_exactly_the_steps_the_cost_model_prices():
+    arrival = SimulatedArrival(0, 2.5, num_prompt_tokens=100, max_tokens=4)
+    simulation = Simulation(dataclasses.replace(engine(), token_latency_s=0.004), [arrival])
+    result = simulation.run()
+    (request,) = result.requests
+    prefill = COST.step_s(StepShape.of_batch([(0, 100)]))
+    # Each decode computes the token sampled before it, at a context one longer each time.
+    decodes = [COST.step_s(StepShape.of_batch([(100 + k, 1)])) for k in range(3)]
+    expected = list(itertools.accumulate([2.5 + prefill, *decodes]))
+    assert request.outcome == Outcome.OK
+    # Each token reaches the client the token latency after its step.
+    assert request.token_times_s == pytest.approx([t + 0.004 for t in expected], abs=1e-12)
+    assert result.end_s == pytest.approx(expected[-1])
+
+
+def test_a_busy_run_keeps_every_invariant_and_every_request_gets_all_its_tokens_in_order():
+    arrivals = poisson(300, rate=20, prompt=(16, 600), output=(1, 200), seed=1)
+    simulation = Simulation(engine(num_device_blocks=160), arrivals, check_invariants=True)
+    result = simulation.run()
+    assert outcomes(result)[Outcome.OK] == 300
+    for request in result.requests:
+        times = request.token_times_s
+        assert len(times) == request.arrival.max_tokens
+        assert times[0] > request.arrival.at_s
+        assert all(a < b for a, b in itertools.pairwise(times))
+    assert sum(result.preemptions.values()) > 0, "a pool of 160 blocks under this load must preempt"
+    assert result.num_swapped_out_blocks == result.num_swapped_in_blocks
+    kv = simulation.scheduler.kv
+    assert kv.device_pool.num_used_blocks == kv.host_pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE])
+def test_the_preemption_mode_is_the_engines_own_policy(mode):
+    arrivals = poisson(120, rate=30, prompt=(64, 400), output=(50, 200), seed=2)
+    simulation = Simulation(engine(num_device_blocks=120, mode=mode), arrivals, check_invariants=True)
+    result = simulation.run()
+    assert outcomes(result)[Outcome.OK] == 120
+    other = PreemptionMode.RECOMPUTE if mode is PreemptionMode.SWAP else PreemptionMode.SWAP
+    assert result.preemptions[mode.value] > 0
+    assert result.preemptions[other.value] == 0
+    assert simulation.scheduler.kv.device_pool.num_used_blocks == 0
+
+
+def preemption_times(result) -> list[float]:
+    steps = itertools.pairwise(result.steps)
+    return [step.end_s for prev, step in steps if step.num_preemptions != prev.num_preemptions]
+
+
+def test_a_kv_cap_preempts_during_its_window_and_is_lifted_after_it():
+    arrivals = poisson(60, rate=1.5, prompt=(64, 300), output=(30, 100), seed=3)
+    uncapped = Simulation(engine(num_device_blocks=400), arrivals).run()
+    assert preemption_times(uncapped) == [], "the whole pool holds this load"
+    window = FaultWindow("kv_cap", 5.0, 12.0, {"kv_cap": {"fraction": 0.1}})
+    simulation = Simulation(engine(num_device_blocks=400), arrivals, [window], check_invariants=True)
+    result = simulation.run()
+    assert outcomes(result)[Outcome.OK] == 60
+    preempted_at = preemption_times(result)
+    assert preempted_at, "a cap to 10% of the pool under this load must preempt"
+    assert all(5.0 <= t <= 12.0 for t in preempted_at), preempted_at
+    assert simulation.scheduler.kv.device_pool.capacity == 400
+
+
+def test_out_of_memory_steps_back_off_and_lose_no_request():
+    arrivals = poisson(60, rate=20, prompt=(100, 300), output=(10, 40), seed=4)
+    faults = [
+        FaultWindow("fail_next_steps", 1.0, 2.0, {"fail_next_steps": 3}),
+        FaultWindow("oom_above_batched_tokens", 2.0, 6.0, {"oom_above_batched_tokens": 64}),
+    ]
+    result = Simulation(engine(), arrivals, faults, check_invariants=True).run()
+    assert outcomes(result)[Outcome.OK] == 60
+    assert result.num_failed_steps >= 3
+
+
+def test_a_kill_breaks_the_streams_in_the_engine_refuses_arrivals_while_down_and_restarts_empty():
+    arrivals = [SimulatedArrival(i, 0.5 * i, 64, 400) for i in range(20)]
+    window = FaultWindow("kill", 3.2, 5.1, None)
+    result = Simulation(engine(), arrivals, [window], check_invariants=True).run()
+    by_outcome = {r.arrival.index: r.outcome for r in result.requests}
+    # Requests 0-6 arrived before the kill and were still streaming (400 tokens take longer than 3 s).
+    assert all(by_outcome[i] == Outcome.BROKEN_STREAM for i in range(7))
+    assert all(by_outcome[i] == Outcome.REJECTED for i in (7, 8, 9, 10))  # arrived at 3.5-5.0 s: down
+    assert all(by_outcome[i] == Outcome.OK for i in range(11, 20))
+    broken = result.requests[0]
+    assert broken.token_times_s
+    assert broken.token_times_s[-1] <= 3.2 + 1.0
+
+
+def test_a_client_that_waits_past_its_timeout_gives_up_and_frees_its_blocks():
+    # One request needs the whole pool for ever (as far as the timeout goes): the others wait behind it.
+    arrivals = [SimulatedArrival(0, 0.0, 64, 3000), *(SimulatedArrival(i, 0.1, 64, 10) for i in range(1, 4))]
+    result = Simulation(engine(num_device_blocks=200), arrivals, request_timeout_s=5.0, check_invariants=True).run()
+    assert result.requests[0].outcome == Outcome.CLIENT_TIMEOUT
+    assert all(r.outcome == Outcome.OK for r in result.requests[1:])
+
+
+def test_a_request_that_can_never_fit_is_refused_before_it_starts():
+    result = Simulation(engine(num_device_blocks=10), [SimulatedArrival(0, 0.0, 200, 10)]).run()
+    assert result.requests[0].outcome == Outcome.REJECTED
+    assert "KV blocks" in result.requests[0].error
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"kv_cap": {"fraction": 2}}, "fraction"),
+        ({"no_such_fault": 1}, "unknown fault"),
+        ({"step_delay": -1}, "step_delay"),
+        ({"memory_hog": 1000}, "not simulated"),
+    ],
+)
+def test_a_bad_fault_value_is_refused_when_the_timeline_is_built(changes, message):
+    with pytest.raises(ValueError, match=message):
+        FaultWindow("bad", 1.0, 2.0, changes)
+    with pytest.raises(ValueError, match="start < end"):
+        FaultWindow("backwards", 2.0, 1.0, None)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "mode", "faults"),
+    [
+        (2000, PreemptionMode.AUTO, []),
+        (150, PreemptionMode.AUTO, []),
+        # Recomputed requests find the blocks of their own outputs cached: when a run registers them matters.
+        (150, PreemptionMode.RECOMPUTE, []),
+        (400, PreemptionMode.SWAP, [FaultWindow("kv_cap", 3.0, 9.0, {"kv_cap": {"fraction": 0.3}})]),
+        (
+            1000,
+            PreemptionMode.AUTO,
+            [FaultWindow("step_delay", 2.0, 4.0, {"step_delay": 0.05}), FaultWindow("kill", 6.0, 7.0, None)],
+        ),
+    ],
+)
+def test_runs_of_decode_steps_in_one_go_decide_and_time_exactly_as_step_by_step(num_blocks, mode, faults):
+    arrivals = poisson(150, rate=12, prompt=(16, 400), output=(1, 300), seed=5)
+    runs = [
+        Simulation(engine(num_blocks, mode), arrivals, faults, check_invariants=True, fast_forward=on).run()
+        for on in (False, True)
+    ]
+    step_by_step, fast = runs
+    assert fast.num_steps == step_by_step.num_steps
+    assert fast.preemptions == step_by_step.preemptions
+    assert fast.num_swapped_out_blocks == step_by_step.num_swapped_out_blocks
+    assert fast.end_s == pytest.approx(step_by_step.end_s, rel=1e-9)
+    for slow_request, fast_request in zip(step_by_step.requests, fast.requests, strict=True):
+        assert fast_request.outcome == slow_request.outcome
+        assert fast_request.token_times_s == pytest.approx(slow_request.token_times_s, rel=1e-9, abs=1e-9)
+    assert len(fast.steps) < len(step_by_step.steps), "some decode runs went in one go"
