@@ -49,6 +49,10 @@ class EngineAdmin:
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/admin/stats")
 
+    def steps(self) -> dict[str, Any]:
+        """The engine loop's last busy iterations: each step's shape and wall time."""
+        return self._call("GET", "/admin/steps")
+
     def _call(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
         response = requests.request(
             method, self.base_url + path, json=body, headers=self._headers, timeout=self.timeout_s

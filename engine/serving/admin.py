@@ -147,6 +147,9 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
             raise ApiError(400, str(error), "num_steps") from None
         return web.json_response({"num_iterations": async_engine.num_iterations})
 
+    async def steps(_: web.Request) -> web.Response:
+        return web.json_response({"steps": [timing.to_json() for timing in list(async_engine.iteration_log)]})
+
     async def reset_prefix_cache(_: web.Request) -> web.Response:
         return web.json_response(await run_off_loop(async_engine.reset_prefix_cache))
 
@@ -155,6 +158,7 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
         "pause": pause,
         "resume": resume,
         "step": step,
+        "steps": steps,
         "reset_prefix_cache": reset_prefix_cache,
     }
     handlers |= {"get_faults": get_faults, "set_faults": set_faults, "clear_faults": clear_faults}

@@ -31,7 +31,9 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from engine.core.fault_limits import parse_seconds
 from engine.core.interface import EngineClient, Prompt
@@ -44,12 +46,35 @@ from engine.core.outputs import (
     RequestTimings,
     SchedulerStats,
     StepResult,
+    StepStats,
 )
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+# Busy loop iterations kept for ``/admin/steps``: minutes of a busy engine.
+ITERATION_LOG_SIZE = 20_000
+
+
+@dataclass(frozen=True)
+class IterationTiming:
+    """One busy loop iteration: its step, and the time from its start to the next iteration's."""
+
+    step: StepStats
+    wall_s: float
+
+    def to_json(self) -> dict[str, float]:
+        step = self.step
+        return {
+            "num_prefill_tokens": step.num_prefill_tokens,
+            "num_decodes": step.num_batched_tokens - step.num_prefill_tokens,
+            "num_context_tokens": step.num_context_tokens,
+            "num_attended_pairs": step.num_attended_pairs,
+            "swap_s": step.swap_s,
+            "wall_s": self.wall_s,
+        }
 
 
 class EngineFailure(Exception):
@@ -133,6 +158,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.num_iterations = 0
         self.last_progress_ts = time.monotonic()
+        # The last busy iterations: each step's shape and the time from its iteration's start to the next one's,
+        # HTTP and streaming contending for the CPU included (what ``kvstorm simulate profile`` fits).
+        self.iteration_log: deque[IterationTiming] = deque(maxlen=ITERATION_LOG_SIZE)
         # The engine as of the last loop iteration, published for the HTTP side, and when.
         self._publish(engine.snapshot())
         self.admission = AdmissionController(self.limits, engine.info)
@@ -316,6 +344,9 @@ class AsyncEngine:
             "num_iterations": self.num_iterations,
             "num_in_flight": self.num_in_flight,
             "stats": dataclasses.asdict(snapshot.stats),
+            # What the engine measures as it runs: what a recompute and a swap cost its preemption policy.
+            "prefill_tokens_per_s": snapshot.prefill_tokens_per_s,
+            "copy_bytes_per_s": snapshot.copy_bytes_per_s,
             "prefix_cache": _prefix_cache_summary(self.engine.info.enable_prefix_caching, snapshot.stats),
             "requests": {
                 r.request_id: {k: v for k, v in dataclasses.asdict(r).items() if k != "request_id"}
@@ -339,9 +370,13 @@ class AsyncEngine:
             raise
 
     def _iterate_until_stopped(self) -> None:
+        # The step of the iteration before, and when that iteration started: timed once this one starts, unless
+        # the loop waited in between.
+        previous: tuple[StepStats, float] | None = None
         while True:
             with self._cond:
                 while not self._stopping and not self._may_iterate():
+                    previous = None
                     self._cond.wait(timeout=self.freeze_remaining_s)  # a freeze ends by itself
                     self.metrics.set_fault("freeze", self.freeze_remaining_s is not None)
                 if self._stopping:
@@ -352,14 +387,18 @@ class AsyncEngine:
                     self._iterations_allowed -= 1
             deliveries: list[tuple[RequestStream, RequestOutput | EngineFailure]] = []
             started = time.monotonic()
+            if previous is not None:
+                self.iteration_log.append(IterationTiming(previous[0], started - previous[1]))
             with self._engine_lock:
                 self._apply(commands, deliveries)
                 result = self._step(deliveries) if self.engine.has_unfinished_requests() else None
                 snapshot = result.snapshot if result is not None else self.engine.snapshot()
-                if result is not None and snapshot.last_step is not None:
-                    self.metrics.observe_step(snapshot.last_step, self.engine.info.bytes_per_block)
-                    self.admission.observe_iteration(snapshot.last_step, time.monotonic() - started)
+                last_step = snapshot.last_step if result is not None else None
+                if last_step is not None:
+                    self.metrics.observe_step(last_step, self.engine.info.bytes_per_block)
+                    self.admission.observe_iteration(last_step, time.monotonic() - started)
                 self._publish(snapshot)
+            previous = (last_step, started) if last_step is not None and last_step.error is None else None
             self.last_progress_ts = time.monotonic()
             self.num_iterations += 1
             if deliveries:

@@ -502,6 +502,12 @@ ADMIN_ROUTES = (
     Route("POST", "/admin/step", "step", _admin("A paused engine runs num_steps loop iterations (query, default 1)")),
     Route(
         "GET",
+        "/admin/steps",
+        "steps",
+        _admin("The last busy loop iterations: each step's shape and wall time (what kvstorm simulate profile fits)"),
+    ),
+    Route(
+        "GET",
         "/admin/faults",
         "get_faults",
         _admin("Every fault's value (engine/faults.py, plus freeze) and the lease left (lease_s)"),
