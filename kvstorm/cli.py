@@ -24,6 +24,7 @@ COMMANDS = {
     "serve": ("kvstorm.engine_commands", "add_serve_parser"),
     "chaos": ("kvstorm.chaos_commands", "add_chaos_parser"),
     "dashboards": ("kvstorm.dashboards_commands", "add_dashboards_parser"),
+    "simulate": ("kvstorm.simulate.command", "add_simulate_parser"),
 }
 # ``kvstorm bench NAME``: module, its parser, its run (which returns a BenchReport).
 BENCHMARKS = {

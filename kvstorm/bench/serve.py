@@ -23,7 +23,7 @@ from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
 
 
-def _duration(text: str) -> float:
+def duration_arg(text: str) -> float:
     try:
         return parse_duration(text)
     except ValueError as error:
@@ -63,7 +63,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument(
         "--num-requests", type=int, default=None, help="stop scheduling after this many (sessions, for multiturn)"
     )
-    parser.add_argument("--duration", type=_duration, default=None, help="stop scheduling after this long (60s)")
+    parser.add_argument("--duration", type=duration_arg, default=None, help="stop scheduling after this long (60s)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="client-side cap (reported as such)")
     parser.add_argument(
         "--workers",
@@ -71,8 +71,8 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
         default=1,
         help="processes that share the sending (past what one client core sustains: see client-capacity)",
     )
-    parser.add_argument("--request-timeout", type=_duration, default=600.0, help="whole-request limit")
-    parser.add_argument("--stall-timeout", type=_duration, default=30.0, help="longest gap between two tokens")
+    parser.add_argument("--request-timeout", type=duration_arg, default=600.0, help="whole-request limit")
+    parser.add_argument("--stall-timeout", type=duration_arg, default=30.0, help="longest gap between two tokens")
     parser.add_argument("--no-exact-output", action="store_true", help="do not send ignore_eos / min_tokens")
     parser.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
@@ -81,7 +81,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument("--prometheus-url", default=None, help="Prometheus server to read the server's metrics from")
     parser.add_argument("--fault-windows", type=Path, default=None, help="JSON [{name,start_unix,end_unix}]")
     parser.add_argument("--results-dir", type=Path, default=Path("bench-results"), help="where JSON + HTML go")
-    parser.add_argument("--bucket", type=_duration, default=1.0, help="time-series bucket of the report")
+    parser.add_argument("--bucket", type=duration_arg, default=1.0, help="time-series bucket of the report")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
 
 
@@ -93,10 +93,10 @@ def add_bench_client_capacity_parser(bench_subparsers: argparse._SubParsersActio
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--levels", default="100,200,300,400,500,600", help="concurrent streams to try, in order")
-    parser.add_argument("--ttft", type=_duration, default=0.05, help="scripted time to the first token")
-    parser.add_argument("--gap", type=_duration, default=0.02, help="scripted gap between tokens")
+    parser.add_argument("--ttft", type=duration_arg, default=0.05, help="scripted time to the first token")
+    parser.add_argument("--gap", type=duration_arg, default=0.02, help="scripted gap between tokens")
     parser.add_argument("--tokens", type=int, default=100, help="tokens per stream")
-    parser.add_argument("--steady", type=_duration, default=4.0, help="how long each level keeps its streams open")
+    parser.add_argument("--steady", type=duration_arg, default=4.0, help="how long each level keeps its streams open")
     parser.add_argument(
         "--workers", type=_worker_counts, default=[1], help="client processes to try, in order (e.g. 1,2)"
     )

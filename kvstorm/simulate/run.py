@@ -1,0 +1,144 @@
+"""One simulated run: the load generator's plan for a ``RunConfig`` (the same seed gives the same arrivals, prompts and
+lengths as ``kvstorm bench serve``) through ``engine.core.simulator``, written as the ``RunResult`` a real run writes.
+
+The server's side of the run (KV usage, running / waiting / swapped, preemptions per second) comes as the series a
+Prometheus server would have given a real run, sampled after each simulated step, so the report draws it alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.core.block_hash import BlockHash, extend_block_hashes
+from engine.core.simulator import FaultWindow, SimulatedArrival, SimulatedEngine, SimulatedRequest, Simulation
+from engine.core.simulator import SimulationResult as EngineSimulation
+from loadgen.analysis import advisories, parse_slos, summarize
+from loadgen.plan import plan_run
+from loadgen.records import Outcome, RequestRecord
+from loadgen.results import FaultWindow as ReportedWindow
+from loadgen.results import PromSeries, RunConfig, RunResult
+
+SIMULATED_NOTE = (
+    "Simulated, not measured: the engine's own scheduler, KV cache and preemption in virtual time, each step priced "
+    "by the profile {profile!r}. Every request is admitted (admission control is not simulated), every stream runs to "
+    "its max_tokens, and the network and the clients cost nothing."
+)
+
+
+@dataclass(frozen=True)
+class SimulatedRun:
+    result: RunResult
+    engine_side: EngineSimulation
+    wall_s: float
+
+
+def simulate(
+    config: RunConfig,
+    engine: SimulatedEngine,
+    profile_name: str,
+    faults: Sequence[FaultWindow] = (),
+    bucket_s: float = 1.0,
+) -> SimulatedRun:
+    slos = parse_slos(config.slo)
+    plan = plan_run(config)
+    if plan.sessions is not None:
+        raise ValueError(
+            f"{config.workload!r}: multi-turn sessions are not simulated yet (their turns wait on answers)"
+        )
+    arrivals = []
+    for planned in plan.requests:
+        prompt = planned.body.get("prompt")
+        if not isinstance(prompt, list):
+            raise ValueError(
+                f"{config.workload!r}: the simulator needs prompts as token ids (random, shared-prefix, a trace); "
+                "text prompts would need the server's tokenizer"
+            )
+        hashes: list[BlockHash] = []
+        if engine.enable_prefix_caching:
+            extend_block_hashes(hashes, prompt, engine.block_size)
+        arrivals.append(
+            SimulatedArrival(planned.index, planned.offset_s, len(prompt), planned.max_tokens, tuple(hashes))
+        )
+    started = time.perf_counter()
+    engine_side = Simulation(engine, arrivals, faults, request_timeout_s=config.request_timeout_s).run()
+    wall_s = time.perf_counter() - started
+    shared = {planned.index: planned.shared_prefix_tokens for planned in plan.requests}
+    records = [_record(request, shared[request.arrival.index]) for request in engine_side.requests]
+    duration_s = max([engine_side.end_s, *(r.end_s for r in records)])
+    summary = summarize(records, duration_s, slos)
+    notes = [SIMULATED_NOTE.format(profile=profile_name)]
+    notes += advisories(summary, records, exact_output=True, max_concurrency=None)
+    start_unix = time.time()
+    return SimulatedRun(
+        RunResult(
+            run_id=uuid.uuid4().hex[:8],
+            start_unix=start_unix,
+            start_ts=0.0,
+            config=config,
+            summary=summary,
+            advisories=notes,
+            records=records,
+            fault_windows=[
+                ReportedWindow(name=w.name, start_unix=start_unix + w.start_s, end_unix=start_unix + w.end_s)
+                for w in faults
+            ],
+            prometheus=_server_series(engine_side, start_unix, bucket_s),
+        ),
+        engine_side,
+        wall_s,
+    )
+
+
+def _record(request: SimulatedRequest, shared_prefix_tokens: int) -> RequestRecord:
+    arrival, times = request.arrival, request.token_times_s
+    outcome = Outcome(request.outcome)
+    started = outcome in (Outcome.OK, Outcome.BROKEN_STREAM) or (outcome is Outcome.CLIENT_TIMEOUT and times)
+    return RequestRecord(
+        index=arrival.index,
+        request_id=f"sim-{arrival.index}",
+        scheduled_s=arrival.at_s,
+        sent_s=arrival.at_s,
+        outcome=outcome,
+        error=request.error,
+        http_status=200 if started else (400 if request.error.startswith("400") else None),
+        finish_reason="length" if outcome is Outcome.OK else None,
+        ttft_s=times[0] - arrival.at_s if times else None,
+        e2e_s=times[-1] - arrival.at_s if outcome is Outcome.OK else None,
+        itl_s=[later - earlier for earlier, later in itertools.pairwise(times)],
+        prompt_tokens=arrival.num_prompt_tokens,
+        output_tokens=len(times),
+        delivered_tokens=len(times),
+        usage_completion_tokens=len(times) if outcome is Outcome.OK else None,
+        requested_output_tokens=arrival.max_tokens,
+        cached_tokens=request.num_cached_tokens,
+        shared_prefix_tokens=shared_prefix_tokens,
+    )
+
+
+def _server_series(simulation: EngineSimulation, start_unix: float, bucket_s: float) -> list[PromSeries]:
+    """The state after the last step of each bucket (what a scrape then reads) and the preemptions per second."""
+    last_in_bucket = {}
+    for step in simulation.steps:
+        last_in_bucket[int(step.end_s // bucket_s)] = step
+    points: dict[str, list[tuple[float, float]]] = {
+        name: [] for name in ("KV cache usage", "running", "waiting", "swapped", "preemptions/s")
+    }
+    previous_preemptions = 0
+    for bucket in sorted(last_in_bucket):
+        step = last_in_bucket[bucket]
+        at = start_unix + (bucket + 1) * bucket_s
+        preemptions = sum(step.num_preemptions.values())
+        for name, value in (
+            ("KV cache usage", step.kv_usage),
+            ("running", step.num_running),
+            ("waiting", step.num_waiting),
+            ("swapped", step.num_swapped),
+            ("preemptions/s", (preemptions - previous_preemptions) / bucket_s),
+        ):
+            points[name].append((at, float(value)))
+        previous_preemptions = preemptions
+    return [PromSeries(name=name, query="simulated", points=values) for name, values in points.items() if values]

@@ -1,0 +1,110 @@
+"""``kvstorm simulate`` as a user runs it: a profile fitted to a real ``kvstorm serve`` of the bundled model on this
+machine, a simulated run with faults written as the results file and report of a real run, and clear errors for what
+it cannot do."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loadgen.plan import plan_run
+from loadgen.records import Outcome
+from loadgen.results import RunResult
+
+
+def run_kvstorm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvstorm", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+LOAD = ("--arrival", "poisson:rate=40", "--duration", "30s", "--input-len", "uniform:200-2000")
+
+
+def test_a_simulated_run_with_faults_writes_a_real_runs_results_and_report(tmp_path):
+    result = run_kvstorm(
+        "simulate", "run", "--profile", "h200-llama-3-8b", *LOAD, "--output-len", "uniform:100-600",
+        "--num-kv-blocks", "3000", "--fault", '5s-15s kv_cap={"fraction": 0.3}', "--fault", "20s-22s kill",
+        "--slo", "ttft_p99=2s", "--results-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (results_path,) = tmp_path.glob("simulate-*.json")
+    run = RunResult.read(results_path)
+    # The same plan as `kvstorm bench serve` with these options: every planned request, at its planned instant.
+    planned = plan_run(run.config).requests
+    assert [r.scheduled_s for r in run.records] == [p.offset_s for p in planned]
+    assert [r.requested_output_tokens for r in run.records] == [p.max_tokens for p in planned]
+    outcomes = run.summary.outcomes
+    assert outcomes[Outcome.BROKEN_STREAM] > 0, "the kill at 20 s must break the streams in the engine"
+    assert outcomes[Outcome.REJECTED] > 0, "requests arriving while it is down are refused"
+    assert all(r.output_tokens == r.requested_output_tokens for r in run.records if r.outcome is Outcome.OK)
+    assert all(20.0 <= r.sent_s <= 22.0 for r in run.records if r.outcome is Outcome.REJECTED)
+    series = {s.name: s.points for s in run.prometheus}
+    assert max(v for _, v in series["preemptions/s"]) > 0, "a 30% cap on 3000 blocks under this load preempts"
+    assert [w.name for w in run.fault_windows] == ["kv_cap", "kill"]
+    assert "Simulated, not measured" in run.advisories[0]
+    assert run.summary.slos[0].met is not None
+    assert "preemptions" in result.stdout
+    (report,) = tmp_path.glob("simulate-*.html")
+    assert "Simulated, not measured" in report.read_text()
+
+
+def test_the_same_seed_simulates_the_same_run(tmp_path):
+    args = ("simulate", "run", "--profile", "h100x8-llama-3-70b", *LOAD, "--num-kv-blocks", "2000")
+    first = run_kvstorm(*args, "--results-dir", str(tmp_path / "a"))
+    second = run_kvstorm(*args, "--results-dir", str(tmp_path / "b"))
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    records = [
+        [r.model_dump() for r in RunResult.read(next((tmp_path / d).glob("*.json"))).records] for d in ("a", "b")
+    ]
+    assert records[0] == records[1]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--fault", "10s-5s kill"), "start < end"),
+        (("--fault", '1s-2s kv_cap={"fraction": 3}'), "fraction"),
+        (("--fault", "1s-2s step_delay=forever"), "fault '1s-2s step_delay=forever'"),
+        (("--fault", "soon kill"), "not a fault window"),
+        (("--workload", "chat"), "token ids"),
+        (("--workload", "multiturn:turns=2,system_len=100"), "multi-turn"),
+        (("--profile", "no-such-profile"), "no profile"),
+    ],
+)
+def test_what_it_cannot_do_is_refused_with_a_clear_error(tmp_path, args, message):
+    base = ["simulate", "run", "--profile", "h200-llama-3-8b", "--num-requests", "5", "--results-dir", str(tmp_path)]
+    result = run_kvstorm(*base, *args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_profile_fitted_on_the_real_engine_drives_a_simulated_run(tmp_path):
+    profile_path = tmp_path / "profile.json"
+    fitted = run_kvstorm(
+        "simulate", "profile", "--server-args", "--num-kv-blocks 256 --swap-space 64MiB", "--concurrency", "1,4,8",
+        "--out", str(profile_path),
+    )  # fmt: skip
+    assert fitted.returncode == 0, fitted.stderr
+    profile = json.loads(profile_path.read_text())
+    assert profile["kind"] == "fitted"
+    assert profile["engine"]["num_kv_blocks"] == 256
+    assert profile["fit"]["num_steps"] > 50
+    # Least squares over relative errors: the steps' summed time is what a throughput prediction rests on.
+    assert profile["fit"]["total_relative_error"] < 0.25
+    assert profile["cost"]["per_step_s"] + profile["cost"]["per_decode_s"] > 0
+    assert all(value >= 0 for value in profile["cost"].values())
+    assert "smollm2" in profile["measured_on"]["model"]
+    assert 0 <= profile["token_latency_s"] < 1.0
+    simulated = run_kvstorm(
+        "simulate", "run", "--profile", str(profile_path), "--arrival", "poisson:rate=2", "--num-requests", "20",
+        "--results-dir", str(tmp_path),
+    )  # fmt: skip
+    assert simulated.returncode == 0, simulated.stderr
+    run = RunResult.read(next(tmp_path.glob("simulate-*.json")))
+    assert run.summary.outcomes[Outcome.OK] == 20
+    assert run.config.model == "smollm2-135m"
