@@ -44,6 +44,13 @@ BENCHMARKS = {
         "run_bench_prefix_caching",
     ),
     "traces": ("kvstorm.bench.traces", "add_bench_traces_parser", "run_bench_traces"),
+    "simulator": ("kvstorm.bench.simulator", "add_bench_simulator_parser", "run_bench_simulator"),
+    "what-if": ("kvstorm.bench.what_if", "add_bench_what_if_parser", "run_bench_what_if"),
+    "simulator-speed": (
+        "kvstorm.bench.simulator_speed",
+        "add_bench_simulator_speed_parser",
+        "run_bench_simulator_speed",
+    ),
     "kernels-aot": ("kvstorm.bench.kernels_aot", "add_bench_kernels_aot_parser", "run_bench_kernels_aot"),
     # Micro-benchmarks of the engine's parts, and of what serving costs it.
     "attention": ("kvstorm.bench.attention", "add_bench_attention_parser", "run_bench_attention"),

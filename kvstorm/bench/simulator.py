@@ -1,0 +1,236 @@
+"""``kvstorm bench simulator``: the simulator against the real engine on the same loads, same seeds, in one table.
+
+It fits a profile of this machine first (``kvstorm simulate profile`` of a server with the same options), then runs
+each case twice: through a fresh ``kvstorm serve`` over HTTP (the case's faults set and cleared through
+``/admin/faults`` on its timeline), and through ``kvstorm simulate``. It compares TTFT p50 / p99, TPOT p50, output
+throughput and preemptions, and says for each whether the simulator is within the issue's bounds (latency and
+throughput 15%, preemptions 20%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from chaos.injectors.engine_admin import EngineAdmin
+from chaos.injectors.processes import kvstorm_server
+from chaos.run.metrics import EngineActivity, scrape
+from engine.core.simulator import FaultWindow
+from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.engine_commands import ADMIN_TOKEN_ENV
+from kvstorm.simulate.measure import fitted_profile
+from kvstorm.simulate.profiles import load_profile, simulated_engine
+from kvstorm.simulate.run import simulate
+from loadgen.benchmark import run_benchmark
+from loadgen.records import Outcome
+from loadgen.results import FaultWindow as ReportedWindow
+from loadgen.results import RunConfig, RunResult, write_text_atomic
+from loadgen.runner import run_event_loop
+
+DEFAULT_SERVER_ARGS = "--num-kv-blocks 1024 --swap-space 256MiB --ttft-slo off"
+LATENCY_BOUND = 0.15
+PREEMPTION_BOUND = 0.20
+
+
+@dataclass(frozen=True)
+class Case:
+    arrival: str
+    input_len: str
+    output_len: str
+    num_requests: int | None = None
+    duration_s: float | None = None
+    num_kv_blocks: int | None = None
+    fault: FaultWindow | None = None
+
+
+CASES = {
+    # w1: 128 requests at once (within 0.13 s), the throughput workload of kvstorm bench offline.
+    "w1": Case("constant:rate=1000", "uniform:64-512", "uniform:32-256", num_requests=128),
+    "poisson": Case("poisson:rate=1.5", "uniform:64-512", "uniform:32-256", duration_s=60),
+    "poisson-busy": Case("poisson:rate=3", "uniform:64-512", "uniform:32-256", duration_s=60),
+    # The burst-with-vram-cap experiment's shapes, its burst at 5 requests/s: a 30% KV cap from 8 s to 33 s.
+    "burst-kv-cap": Case(
+        "onoff:base=0.5,burst=5,burst_s=10,period_s=60",
+        "uniform:64-192",
+        "uniform:32-96",
+        duration_s=60,
+        num_kv_blocks=88,
+        fault=FaultWindow("kv_cap", 8.0, 33.0, {"kv_cap": {"fraction": 0.3}}),
+    ),
+}
+
+
+def add_bench_simulator_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "simulator", help="kvstorm simulate against the real engine: same loads, same seeds, one table"
+    )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS, help="kvstorm serve's engine options")
+    parser.add_argument("--profile", default=None, help="a fitted profile (default: fit one first, same options)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--results-dir", type=Path, default=Path("bench-results"))
+
+
+@dataclass(frozen=True)
+class Side:
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    output_tokens_per_s: float
+    preemptions: int
+
+    @classmethod
+    def of(cls, result: RunResult, preemptions: int) -> Side:
+        s = result.summary
+        return cls(
+            s.ttft.p50 if s.ttft else None,
+            s.ttft.p99 if s.ttft else None,
+            s.tpot.p50 if s.tpot else None,
+            s.output_token_throughput,
+            preemptions,
+        )
+
+
+def run_bench_simulator(args: argparse.Namespace) -> BenchReport:
+    names = args.cases.split(",")
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        raise ValueError(f"unknown cases {unknown}; cases: {', '.join(CASES)}")
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    profile_path = args.profile or str(_fit_profile(args.server_args, args.results_dir / "profile.json"))
+    profile = load_profile(profile_path)
+    rows, failures = [], []
+    for name in names:
+        case = CASES[name]
+        config = _config(case, args.seed)
+        real, real_preemptions = _run_real(case, config, args.server_args)
+        engine = simulated_engine(profile, num_kv_blocks=case.num_kv_blocks)
+        simulated = simulate(config, engine, profile.name, [case.fault] if case.fault else [])
+        side = simulated.engine_side
+        rows.append((name, Side.of(real, real_preemptions), Side.of(simulated.result, sum(side.preemptions.values()))))
+        real.write(args.results_dir / f"simulator-{name}-real.json")
+        simulated.result.write(args.results_dir / f"simulator-{name}-simulated.json")
+        if real.summary.outcomes[Outcome.OK] != len(real.records):
+            failures.append(f"{name}: the real run had requests that did not end ok")
+    return BenchReport(_markdown(args, profile, rows), failures=failures)
+
+
+def _fit_profile(server_args: str, path: Path) -> Path:
+    command = f"kvstorm simulate profile --server-args {shlex.quote(server_args)} --out {path}"
+    write_text_atomic(path, fitted_profile(shlex.split(server_args), command).model_dump_json(indent=1))
+    return path
+
+
+def _config(case: Case, seed: int) -> RunConfig:
+    return RunConfig(
+        base_url="",
+        model="smollm2-135m",
+        arrival=case.arrival,
+        workload="random",
+        input_len=case.input_len,
+        output_len=case.output_len,
+        num_requests=case.num_requests,
+        duration_s=case.duration_s,
+        max_concurrency=None,
+        request_timeout_s=600.0,
+        stall_timeout_s=60.0,
+        exact_output=True,
+        seed=seed,
+        slo=None,
+    )
+
+
+def _run_real(case: Case, config: RunConfig, server_args: str) -> tuple[RunResult, int]:
+    serve_args = shlex.split(server_args)
+    if case.num_kv_blocks is not None:
+        serve_args += ["--num-kv-blocks", str(case.num_kv_blocks)]
+    token = secrets.token_urlsafe(16)
+    with kvstorm_server(serve_args, env={**os.environ, ADMIN_TOKEN_ENV: token}) as server:
+        before = scrape(server.url)
+        result = run_event_loop(_load_with_fault(config.model_copy(update={"base_url": server.url}), case, token))
+        after = scrape(server.url)
+    return result, EngineActivity.between(before, after).preemptions
+
+
+async def _load_with_fault(config: RunConfig, case: Case, token: str) -> RunResult:
+    load = asyncio.create_task(run_benchmark(config, show_progress=False))
+    window = case.fault
+    if window is None:
+        return await load
+    admin = EngineAdmin(config.base_url, token)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.sleep(window.start_s)
+    await asyncio.to_thread(admin.set_faults, window.changes, 2 * (window.end_s - window.start_s))
+    await asyncio.sleep(max(0.0, window.end_s - (loop.time() - started)))
+    await asyncio.to_thread(admin.clear_faults)
+    result = await load
+    return result.model_copy(
+        update={
+            "fault_windows": [
+                ReportedWindow(
+                    name=window.name,
+                    start_unix=result.start_unix + window.start_s,
+                    end_unix=result.start_unix + window.end_s,
+                )
+            ]
+        }
+    )
+
+
+def _ratio(simulated: float | None, real: float | None) -> float | None:
+    return None if simulated is None or not real else simulated / real
+
+
+def _markdown(args: argparse.Namespace, profile, rows: list[tuple[str, Side, Side]]) -> str:
+    lines = [
+        f"Profile: {profile.name} ({profile.fit.num_steps} steps fitted, median relative error "
+        f"{profile.fit.median_relative_error:.1%}); real server: `kvstorm serve {args.server_args}`, on {cpu_name()} "
+        f"({cpu_kind()}), {os.cpu_count()} CPUs. Each case: the same seeded load (`kvstorm bench serve` / "
+        "`kvstorm simulate run`), exact output lengths.",
+        "",
+        "| case | | TTFT p50 s | TTFT p99 s | TPOT p50 ms | output tok/s | preemptions |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    verdicts = []
+    for name, real, simulated in rows:
+        for label, side in (("real", real), ("simulated", simulated)):
+            lines.append(
+                f"| {name} | {label} | {_cell(side.ttft_p50_s)} | {_cell(side.ttft_p99_s)} | "
+                f"{_cell(side.tpot_p50_s, 1e3)} | {side.output_tokens_per_s:.1f} | {side.preemptions} |"
+            )
+        ratios = {
+            "TTFT p50": _ratio(simulated.ttft_p50_s, real.ttft_p50_s),
+            "TTFT p99": _ratio(simulated.ttft_p99_s, real.ttft_p99_s),
+            "TPOT p50": _ratio(simulated.tpot_p50_s, real.tpot_p50_s),
+            "throughput": _ratio(simulated.output_tokens_per_s, real.output_tokens_per_s),
+        }
+        ratio_text = ", ".join(f"{k} {v:.2f}x" if v is not None else f"{k} -" for k, v in ratios.items())
+        outside = [k for k, v in ratios.items() if v is None or abs(v - 1) > LATENCY_BOUND]
+        preemptions_off = abs(simulated.preemptions - real.preemptions) > PREEMPTION_BOUND * max(real.preemptions, 1)
+        if preemptions_off:
+            outside.append("preemptions")
+        verdict = "within bounds" if not outside else "**outside** on " + ", ".join(outside)
+        verdicts.append(
+            f"- {name}: simulated / real: {ratio_text}; preemptions {simulated.preemptions} vs {real.preemptions}: "
+            f"{verdict}."
+        )
+    return "\n".join(
+        [
+            *lines,
+            "",
+            f"Bounds: latency percentiles and throughput within {LATENCY_BOUND:.0%}, preemptions within "
+            f"{PREEMPTION_BOUND:.0%}.",
+            *verdicts,
+        ]
+    )
+
+
+def _cell(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.3g}"
