@@ -164,12 +164,13 @@ class SimulationResult:
 
 
 class Simulation:
-    """One run of ``engine`` under ``arrivals`` and ``faults``; ``run`` returns what every request saw."""
+    """One run of ``engine`` under ``arrivals`` and ``faults``; ``run`` returns what every request saw. A fleet
+    (``engine.core.fleet``) drives it request by request instead: ``advance_until``, ``submit``, ``finish``."""
 
     def __init__(
         self,
         engine: SimulatedEngine,
-        arrivals: Sequence[SimulatedArrival],
+        arrivals: Sequence[SimulatedArrival] = (),
         faults: Sequence[FaultWindow] = (),
         request_timeout_s: float = 600.0,
         keep_steps: bool = True,
@@ -189,56 +190,73 @@ class Simulation:
             [(w.start_s, 1, i, w, True) for i, w in enumerate(faults)]
             + [(w.end_s, 0, i, w, False) for i, w in enumerate(faults)]
         )
+        self.next_boundary = 0
         self.faults = FaultValues()
         self.down_until_s: float | None = None
-        self.result = SimulationResult([SimulatedRequest(arrival) for arrival in self.arrivals])
+        self.t = 0.0
+        # (when its client gives up, its index, the request)
+        self.deadlines: list[tuple[float, int, SimulatedRequest]] = []
+        self.result = SimulationResult([])
         self.scheduler = self._fresh_scheduler()
 
     def run(self) -> SimulationResult:
-        t = 0.0
-        next_arrival = next_boundary = 0
-        deadlines: list[tuple[float, int]] = []  # (when its client gives up, index)
-        requests = self.result.requests
+        """Every arrival in turn, then on until the engine has nothing left to do."""
+        for arrival in self.arrivals:
+            self.advance_until(arrival.at_s)
+            self.submit(SimulatedRequest(arrival))
+        self.advance_until(math.inf)
+        return self.finish()
+
+    def advance_until(self, until_s: float) -> None:
+        """Run steps until the clock reaches ``until_s`` (the step in progress may end after it), crossing the fault
+        timeline's boundaries and the clients' deadlines as they come, in the order they came; an idle engine's clock
+        jumps to what comes next. With ``until_s`` infinite: until nothing is left to do."""
         while True:
-            # What happened during the last step, in the order it happened: a request that arrived before a kill
-            # was streaming when it came.
-            while True:
-                arrival_s = requests[next_arrival].arrival.at_s if next_arrival < len(requests) else math.inf
-                boundary_s = self.boundaries[next_boundary][0] if next_boundary < len(self.boundaries) else math.inf
-                if min(arrival_s, boundary_s) > t:
-                    break
-                if boundary_s <= arrival_s:
-                    self._cross(self.boundaries[next_boundary])
-                    next_boundary += 1
+            # Not past ``until_s``: a request arriving then, before a kill, was streaming when the kill came.
+            self._cross_boundaries(min(self.t, until_s))
+            while self.deadlines and self.deadlines[0][0] <= self.t:
+                self._time_out(heapq.heappop(self.deadlines)[2])
+            if self.t >= until_s:
+                return
+            busy = self.scheduler.has_unfinished_requests()
+            later = min(until_s, self._next_boundary_s())
+            if busy and self.deadlines:
+                later = min(later, self.deadlines[0][0])
+            if busy:
+                duration_s = (self.fast_forward and self._decode_run(self.t, later)) or self._step(self.t)
+                if duration_s:
+                    self.t += duration_s
                     continue
-                request = requests[next_arrival]
-                next_arrival += 1
-                if self._admit(request):
-                    heapq.heappush(deadlines, (arrival_s + self.request_timeout_s, next_arrival - 1))
-            while deadlines and deadlines[0][0] <= t:
-                _, index = heapq.heappop(deadlines)
-                self._time_out(requests[index])
-            next_arrival_s = requests[next_arrival].arrival.at_s if next_arrival < len(requests) else math.inf
-            next_boundary_s = self.boundaries[next_boundary][0] if next_boundary < len(self.boundaries) else math.inf
-            duration_s = 0.0
-            if self.scheduler.has_unfinished_requests():
-                next_deadline_s = deadlines[0][0] if deadlines else math.inf
-                until_s = min(next_arrival_s, next_boundary_s, next_deadline_s)
-                duration_s = (self.fast_forward and self._decode_run(t, until_s)) or self._step(t)
-            if duration_s:
-                t += duration_s
-                continue
             # Idle, or nothing it holds can run now (under a cap): on to whatever comes next.
-            later = min(next_arrival_s, next_boundary_s)
-            if deadlines and self.scheduler.has_unfinished_requests():
-                later = min(later, deadlines[0][0])
             if later == math.inf:
-                break
-            t = max(t, later)
+                return
+            self.t = max(self.t, later)
+
+    def submit(self, request: SimulatedRequest) -> None:
+        """A request reaches the engine now (the clock has reached its arrival)."""
+        self.result.requests.append(request)
+        if self._admit(request):
+            deadline_s = request.arrival.at_s + self.request_timeout_s
+            heapq.heappush(self.deadlines, (deadline_s, request.arrival.index, request))
+
+    def finish(self) -> SimulationResult:
         for request in list(self.scheduler.requests.values()):  # nothing left could ever run them
             self._time_out(request)
-        self.result.end_s = t
+        self.result.end_s = self.t
         return self.result
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests in the engine, unfinished (what a least-outstanding router compares)."""
+        return len(self.scheduler.requests)
+
+    def _next_boundary_s(self) -> float:
+        return self.boundaries[self.next_boundary][0] if self.next_boundary < len(self.boundaries) else math.inf
+
+    def _cross_boundaries(self, until_s: float) -> None:
+        while self._next_boundary_s() <= until_s:
+            self._cross(self.boundaries[self.next_boundary])
+            self.next_boundary += 1
 
     # ---- steps --------------------------------------------------------------------------------
 

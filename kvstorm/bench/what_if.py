@@ -55,7 +55,7 @@ def run_bench_what_if(args: argparse.Namespace) -> BenchReport:
 
     def at(rate: float, faults: list[FaultWindow] | None = None) -> Point:
         config = _config(args, rate)
-        return Point(rate, simulate(config, engine, profile.name, faults or []))
+        return Point(rate, simulate(config, engine, profile.name, [(window, [0]) for window in faults or []]))
 
     sweep = [at(1.0)]
     while sweep[-1].preemptions == 0 and sweep[-1].rate < MAX_RATE:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from engine.core.config import PreemptionMode
+from engine.core.fleet import ROUTERS
 from engine.core.simulator import FaultWindow
 from kvstorm.bench.serve import duration_arg
 from kvstorm.simulate.measure import CONCURRENCY, fitted_profile
@@ -25,26 +26,50 @@ from loadgen.spec import parse_duration
 
 FAULT_HELP = """Faults (--fault, repeatable): 'START-END NAME=VALUE' sets an engine fault (the value as /admin/faults
 takes it, in JSON) from START to END and clears it then, as a chaos experiment's rollback does; 'START-END kill' kills
-the engine at START (every stream in it breaks, arrivals are refused) and restarts it empty at END. Examples:
+the engine at START (every stream in it breaks, arrivals are refused) and restarts it empty at END. With --replicas,
+'START-END@0-7,12 ...' hits those replicas only (every one by default). Examples:
   --fault '10s-35s kv_cap={"fraction": 0.3}'   --fault '5s-20s swap_delay_per_block=0.01'
   --fault '12s-14s fail_next_steps=5'          --fault '30s-45s kill'
+  --replicas 64 --router least-outstanding --fault '20s-80s@0-7 kv_cap={"fraction": 0.3}'
 """
-_FAULT = re.compile(r"\s*(?P<start>[^-\s]+)\s*-\s*(?P<end>\S+)\s+(?P<what>.+)")
+_FAULT = re.compile(r"\s*(?P<start>[^-\s@]+)\s*-\s*(?P<end>[^\s@]+)(@(?P<replicas>[\d,-]+))?\s+(?P<what>.+)")
+MAX_REPLICAS = 4096
 
 
-def parse_fault(text: str) -> FaultWindow:
+def parse_fault(text: str) -> tuple[FaultWindow, tuple[int, ...] | None]:
+    """A fault window and the replicas it hits (None: every one)."""
     match = _FAULT.fullmatch(text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"not a fault window: {text!r} (START-END NAME=VALUE or START-END kill)")
+        raise argparse.ArgumentTypeError(
+            f"not a fault window: {text!r} (START-END[@REPLICAS] NAME=VALUE or START-END[@REPLICAS] kill)"
+        )
     try:
         start_s, end_s = parse_duration(match["start"]), parse_duration(match["end"])
+        replicas = None if match["replicas"] is None else _replica_list(match["replicas"])
         what = match["what"].strip()
         if what == "kill":
-            return FaultWindow("kill", start_s, end_s, None)
+            return FaultWindow("kill", start_s, end_s, None), replicas
         name, _, value = what.partition("=")
-        return FaultWindow(name.strip(), start_s, end_s, {name.strip(): json.loads(value)})
+        return FaultWindow(name.strip(), start_s, end_s, {name.strip(): json.loads(value)}), replicas
     except ValueError as error:  # json.JSONDecodeError is one
         raise argparse.ArgumentTypeError(f"fault {text!r}: {error}") from None
+
+
+def _replica_list(text: str) -> tuple[int, ...]:
+    """'0-7,12' -> 0, 1, ..., 7, 12."""
+    replicas: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) >= MAX_REPLICAS:
+            raise ValueError(f"not a list of replicas (0-7,12): {text!r}")
+        replicas.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(replicas))
+
+
+def _replica_count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_REPLICAS:
+        raise argparse.ArgumentTypeError(f"not a number of replicas from 1 to {MAX_REPLICAS}: {text!r}")
+    return int(text)
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -80,6 +105,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts")
     run.add_argument("--slo", default=None, help="e.g. ttft_p99=2s,tpot_p99=200ms (adds goodput)")
     run.add_argument("--fault", type=parse_fault, action="append", default=[], help="a fault window (see above)")
+    run.add_argument("--replicas", type=_replica_count, default=1, help="a fleet of this many engines behind --router")
+    run.add_argument("--router", choices=ROUTERS, default="round-robin", help="how the fleet's router picks a replica")
     group = run.add_argument_group("the simulated engine (default: the profile's)")
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--num-swap-blocks", type=int, default=None)
@@ -141,12 +168,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         slo=args.slo,
     )
-    run = simulate(config, engine, profile.name, args.fault, args.bucket)
+    every = tuple(range(args.replicas))
+    faults = [(window, every if hit is None else hit) for window, hit in args.fault]
+    run = simulate(config, engine, profile.name, faults, args.bucket, args.replicas, args.router)
     side = run.engine_side
     stem = f"simulate-{time.strftime('%Y%m%d-%H%M%S')}-{run.result.run_id}"
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"
     run.result.write(json_path)
-    write_report(run.result, html_path, bucket_s=args.bucket)
+    write_report(
+        run.result, html_path, bucket_s=args.bucket, title=f"kvstorm simulate {run.result.run_id} (a prediction)"
+    )
     print(
         f"Simulated: {profile.name}; {engine.num_device_blocks} KV blocks of {engine.block_size} tokens, "
         f"{engine.num_host_blocks} swap blocks."

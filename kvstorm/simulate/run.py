@@ -1,5 +1,6 @@
 """One simulated run: the load generator's plan for a ``RunConfig`` (the same seed gives the same arrivals, prompts and
-lengths as ``kvstorm bench serve``) through ``engine.core.simulator``, written as the ``RunResult`` a real run writes.
+lengths as ``kvstorm bench serve``) through one simulated engine or a fleet of them behind a router
+(``engine.core.fleet``), written as the ``RunResult`` a real run writes.
 
 The server's side of the run (KV usage, running / waiting / swapped, preemptions per second) comes as the series a
 Prometheus server would have given a real run, sampled after each simulated step, so the report draws it alike.
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.block_hash import BlockHash, extend_block_hashes
-from engine.core.simulator import FaultWindow, SimulatedArrival, SimulatedEngine, SimulatedRequest, Simulation
+from engine.core.fleet import Fleet
+from engine.core.simulator import FaultWindow, SimulatedArrival, SimulatedEngine, SimulatedRequest, StepSample
 from engine.core.simulator import SimulationResult as EngineSimulation
 from loadgen.analysis import advisories, parse_slos, summarize
 from loadgen.plan import plan_run
@@ -25,7 +27,8 @@ from loadgen.results import PromSeries, RunConfig, RunResult
 SIMULATED_NOTE = (
     "Simulated, not measured: the engine's own scheduler, KV cache and preemption in virtual time, each step priced "
     "by the profile {profile!r}. Every request is admitted (admission control is not simulated), every stream runs to "
-    "its max_tokens, and the network and the clients cost nothing."
+    "its max_tokens, and the way to the client (the server's event loop, the network, the client) adds "
+    "{latency_ms:.1f} ms to every token."
 )
 
 
@@ -40,9 +43,12 @@ def simulate(
     config: RunConfig,
     engine: SimulatedEngine,
     profile_name: str,
-    faults: Sequence[FaultWindow] = (),
+    faults: Sequence[tuple[FaultWindow, Sequence[int]]] = (),
     bucket_s: float = 1.0,
+    replicas: int = 1,
+    router: str = "round-robin",
 ) -> SimulatedRun:
+    """``faults``: each window with the replicas it hits (0 for one engine)."""
     slos = parse_slos(config.slo)
     plan = plan_run(config)
     if plan.sessions is not None:
@@ -64,13 +70,19 @@ def simulate(
             SimulatedArrival(planned.index, planned.offset_s, len(prompt), planned.max_tokens, tuple(hashes))
         )
     started = time.perf_counter()
-    engine_side = Simulation(engine, arrivals, faults, request_timeout_s=config.request_timeout_s).run()
+    fleet = Fleet(engine, replicas, router, faults, request_timeout_s=config.request_timeout_s)
+    engine_side = fleet.merged(fleet.run(arrivals))
     wall_s = time.perf_counter() - started
     shared = {planned.index: planned.shared_prefix_tokens for planned in plan.requests}
     records = [_record(request, shared[request.arrival.index]) for request in engine_side.requests]
     duration_s = max([engine_side.end_s, *(r.end_s for r in records)])
     summary = summarize(records, duration_s, slos)
-    notes = [SIMULATED_NOTE.format(profile=profile_name)]
+    notes = [SIMULATED_NOTE.format(profile=profile_name, latency_ms=engine.token_latency_s * 1e3)]
+    if replicas > 1:
+        notes.append(
+            f"A fleet of {replicas} replicas of that engine behind a {router} router; the server series are "
+            "the fleet's: KV usage averaged over the replicas, requests and preemptions summed."
+        )
     notes += advisories(summary, records, exact_output=True, max_concurrency=None)
     start_unix = time.time()
     return SimulatedRun(
@@ -83,10 +95,14 @@ def simulate(
             advisories=notes,
             records=records,
             fault_windows=[
-                ReportedWindow(name=w.name, start_unix=start_unix + w.start_s, end_unix=start_unix + w.end_s)
-                for w in faults
+                ReportedWindow(
+                    name=w.name + _replicas_label(hit, replicas),
+                    start_unix=start_unix + w.start_s,
+                    end_unix=start_unix + w.end_s,
+                )
+                for w, hit in faults
             ],
-            prometheus=_server_series(engine_side, start_unix, bucket_s),
+            prometheus=_server_series([r.result.steps for r in fleet.replicas], start_unix, bucket_s),
         ),
         engine_side,
         wall_s,
@@ -119,24 +135,34 @@ def _record(request: SimulatedRequest, shared_prefix_tokens: int) -> RequestReco
     )
 
 
-def _server_series(simulation: EngineSimulation, start_unix: float, bucket_s: float) -> list[PromSeries]:
-    """The state after the last step of each bucket (what a scrape then reads) and the preemptions per second."""
-    last_in_bucket = {}
-    for step in simulation.steps:
-        last_in_bucket[int(step.end_s // bucket_s)] = step
-    points: dict[str, list[tuple[float, float]]] = {
-        name: [] for name in ("KV cache usage", "running", "waiting", "swapped", "preemptions/s")
-    }
+def _replicas_label(hit: Sequence[int], replicas: int) -> str:
+    if replicas == 1:
+        return ""
+    return f" on {len(hit)} of {replicas} replicas" if len(hit) < replicas else " on every replica"
+
+
+def _server_series(replica_steps: list[list[StepSample]], start_unix: float, bucket_s: float) -> list[PromSeries]:
+    """At the end of each bucket, each replica as its last step left it (what a scrape then reads), over the fleet:
+    KV usage averaged, requests summed; preemptions per second summed."""
+    last_in_bucket = [{int(step.end_s // bucket_s): step for step in steps} for steps in replica_steps]
+    num_buckets = max((max(buckets) + 1 for buckets in last_in_bucket if buckets), default=0)
+    names = ("KV cache usage", "running", "waiting", "swapped", "preemptions/s")
+    points: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    latest: list[StepSample | None] = [None] * len(replica_steps)
     previous_preemptions = 0
-    for bucket in sorted(last_in_bucket):
-        step = last_in_bucket[bucket]
+    for bucket in range(num_buckets):
+        for index, buckets in enumerate(last_in_bucket):
+            latest[index] = buckets.get(bucket, latest[index])
+        states = [step for step in latest if step is not None]
+        if not states:
+            continue
+        preemptions = sum(sum(step.num_preemptions.values()) for step in states)
         at = start_unix + (bucket + 1) * bucket_s
-        preemptions = sum(step.num_preemptions.values())
         for name, value in (
-            ("KV cache usage", step.kv_usage),
-            ("running", step.num_running),
-            ("waiting", step.num_waiting),
-            ("swapped", step.num_swapped),
+            ("KV cache usage", sum(step.kv_usage for step in states) / len(replica_steps)),
+            ("running", sum(step.num_running for step in states)),
+            ("waiting", sum(step.num_waiting for step in states)),
+            ("swapped", sum(step.num_swapped for step in states)),
             ("preemptions/s", (preemptions - previous_preemptions) / bucket_s),
         ):
             points[name].append((at, float(value)))

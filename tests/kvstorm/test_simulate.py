@@ -52,6 +52,23 @@ def test_a_simulated_run_with_faults_writes_a_real_runs_results_and_report(tmp_p
     assert "Simulated, not measured" in report.read_text()
 
 
+def test_a_fleet_with_a_kv_cap_on_some_replicas_reports_the_fleet(tmp_path):
+    result = run_kvstorm(
+        "simulate", "run", "--profile", "h200-llama-3-8b", "--arrival", "poisson:rate=200", "--duration", "20s",
+        "--input-len", "uniform:200-2000", "--output-len", "uniform:100-600", "--num-kv-blocks", "1500",
+        "--replicas", "8", "--router", "least-outstanding", "--fault", '5s-15s@0-1 kv_cap={"fraction": 0.2}',
+        "--results-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = RunResult.read(next(tmp_path.glob("simulate-*.json")))
+    assert [w.name for w in run.fault_windows] == ["kv_cap on 2 of 8 replicas"]
+    assert any("8 replicas" in note and "least-outstanding" in note for note in run.advisories)
+    assert len(run.records) == len(plan_run(run.config).requests)
+    series = {s.name: s.points for s in run.prometheus}
+    assert max(v for _, v in series["running"]) > 30, "requests summed over the fleet"
+    assert max(v for _, v in series["preemptions/s"]) > 0
+
+
 def test_the_same_seed_simulates_the_same_run(tmp_path):
     args = ("simulate", "run", "--profile", "h100x8-llama-3-70b", *LOAD, "--num-kv-blocks", "2000")
     first = run_kvstorm(*args, "--results-dir", str(tmp_path / "a"))
@@ -73,6 +90,8 @@ def test_the_same_seed_simulates_the_same_run(tmp_path):
         (("--workload", "chat"), "token ids"),
         (("--workload", "multiturn:turns=2,system_len=100"), "multi-turn"),
         (("--profile", "no-such-profile"), "no profile"),
+        (("--replicas", "4", "--fault", "1s-2s@9 kill"), "not among 0-3"),
+        (("--fault", "1s-2s@x kill"), "not a fault window"),
     ],
 )
 def test_what_it_cannot_do_is_refused_with_a_clear_error(tmp_path, args, message):

@@ -1,0 +1,89 @@
+"""A fleet of simulated engines behind a router: one replica is the plain simulation, the routers place requests as
+they say, and a fault hits only the replicas it names."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.core.block_hash import extend_block_hashes
+from engine.core.fleet import Fleet
+from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, Simulation
+from tests.engine.core.test_simulator import engine, poisson
+
+
+def test_a_fleet_of_one_is_the_plain_simulation():
+    arrivals = poisson(120, rate=10, prompt=(16, 400), output=(1, 200), seed=7)
+    faults = [FaultWindow("kv_cap", 2.0, 6.0, {"kv_cap": {"fraction": 0.3}}), FaultWindow("kill", 8.0, 8.5, None)]
+    alone = Simulation(engine(300), arrivals, faults).run()
+    fleet = Fleet(engine(300), 1, "least-outstanding", [(window, [0]) for window in faults])
+    requests = fleet.run(arrivals)
+    assert [r.outcome for r in requests] == [r.outcome for r in alone.requests]
+    assert [r.token_times_s for r in requests] == [r.token_times_s for r in alone.requests]
+    assert fleet.merged(requests).preemptions == alone.preemptions
+
+
+def test_round_robin_takes_turns_and_least_outstanding_evens_the_load():
+    arrivals = poisson(200, rate=40, prompt=(16, 200), output=(20, 200), seed=8)
+    round_robin = Fleet(engine(), 4, "round-robin")
+    round_robin.run(arrivals)
+    assert [round_robin.assignment[a.index] for a in arrivals] == [i % 4 for i in range(200)]
+    least = Fleet(engine(), 4, "least-outstanding")
+    requests = least.run(arrivals)
+    assert all(r.outcome == Outcome.OK for r in requests)
+    counts = [list(least.assignment.values()).count(replica) for replica in range(4)]
+    assert max(counts) - min(counts) <= 0.2 * 50, counts
+
+
+def test_a_kv_cap_on_some_replicas_preempts_there_only_and_costs_the_fleet_its_tail():
+    arrivals = poisson(400, rate=24, prompt=(64, 300), output=(30, 120), seed=9)
+    cap = FaultWindow("kv_cap", 3.0, 12.0, {"kv_cap": {"fraction": 0.15}})
+    calm = Fleet(engine(300), 8, "round-robin")
+    calm_requests = calm.run(arrivals)
+    capped = Fleet(engine(300), 8, "round-robin", [(cap, [0, 1])])
+    capped_requests = capped.run(arrivals)
+    preempted = [sum(replica.result.preemptions.values()) for replica in capped.replicas]
+    assert preempted[0] > 0
+    assert preempted[1] > 0
+    assert preempted[2:] == [sum(replica.result.preemptions.values()) for replica in calm.replicas][2:]
+
+    def ttft_p99(requests) -> float:
+        ttfts = sorted(r.token_times_s[0] - r.arrival.at_s for r in requests if r.outcome == Outcome.OK)
+        return ttfts[int(0.99 * (len(ttfts) - 1))]
+
+    assert ttft_p99(capped_requests) > ttft_p99(calm_requests)
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_one_replica_and_its_cache_serves_it():
+    rng = random.Random(10)
+    prefixes = [[rng.randrange(1000, 30000) for _ in range(256)] for _ in range(4)]
+    arrivals = []
+    for index in range(160):
+        prompt = prefixes[index % 4] + [rng.randrange(1000, 30000) for _ in range(64)]
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt, 16)
+        arrivals.append(SimulatedArrival(index, index * 0.1, len(prompt), 32, tuple(hashes)))
+
+    def cached_share(router: str) -> float:
+        requests = Fleet(engine(), 4, router).run(arrivals)
+        return sum(r.num_cached_tokens or 0 for r in requests) / sum(r.arrival.num_prompt_tokens for r in requests)
+
+    affinity = Fleet(engine(), 4, "prefix-affinity")
+    affinity.run(arrivals)
+    for prefix in range(4):
+        assert len({affinity.assignment[i] for i in range(prefix, 160, 4)}) == 1
+    assert cached_share("prefix-affinity") > cached_share("least-outstanding")
+
+
+@pytest.mark.parametrize(
+    ("replicas", "router", "faults", "message"),
+    [
+        (0, "round-robin", [], "at least one replica"),
+        (2, "random", [], "unknown router"),
+        (2, "round-robin", [(FaultWindow("kill", 1.0, 2.0, None), [2])], "not among 0-1"),
+    ],
+)
+def test_a_fleet_that_cannot_be_built_says_why(replicas, router, faults, message):
+    with pytest.raises(ValueError, match=message):
+        Fleet(engine(), replicas, router, faults)
