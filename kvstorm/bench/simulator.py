@@ -17,16 +17,15 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from chaos.injectors.engine_admin import EngineAdmin
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import EngineActivity, scrape
 from engine.core.simulator import FaultWindow
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.peer import cpu_kind, cpu_name
-from kvstorm.engine_commands import ADMIN_TOKEN_ENV
 from kvstorm.simulate.measure import fitted_profile
 from kvstorm.simulate.profiles import load_profile, simulated_engine
-from kvstorm.simulate.run import simulate
+from kvstorm.simulate.run import random_load, simulate
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import FaultWindow as ReportedWindow
@@ -135,21 +134,15 @@ def _fit_profile(server_args: str, path: Path) -> Path:
 
 
 def _config(case: Case, seed: int) -> RunConfig:
-    return RunConfig(
-        base_url="",
-        model="smollm2-135m",
-        arrival=case.arrival,
-        workload="random",
-        input_len=case.input_len,
-        output_len=case.output_len,
+    return random_load(
+        "",
+        "smollm2-135m",
+        case.arrival,
+        case.input_len,
+        case.output_len,
         num_requests=case.num_requests,
         duration_s=case.duration_s,
-        max_concurrency=None,
-        request_timeout_s=600.0,
-        stall_timeout_s=60.0,
-        exact_output=True,
         seed=seed,
-        slo=None,
     )
 
 

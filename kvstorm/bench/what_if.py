@@ -16,7 +16,7 @@ from engine.core.simulator import FaultWindow, SimulatedEngine
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.serve import duration_arg
 from kvstorm.simulate.profiles import RooflineProfile, load_profile, simulated_engine
-from kvstorm.simulate.run import SimulatedRun, simulate
+from kvstorm.simulate.run import SimulatedRun, random_load, simulate
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
 
@@ -77,21 +77,14 @@ def run_bench_what_if(args: argparse.Namespace) -> BenchReport:
 
 
 def _config(args: argparse.Namespace, rate: float) -> RunConfig:
-    return RunConfig(
-        base_url=f"simulated ({args.profile})",
-        model="simulated",
-        arrival=f"poisson:rate={rate:.4g}",
-        workload="random",
-        input_len=args.input_len,
-        output_len=args.output_len,
-        num_requests=None,
+    return random_load(
+        f"simulated ({args.profile})",
+        "simulated",
+        f"poisson:rate={rate:.4g}",
+        args.input_len,
+        args.output_len,
         duration_s=args.duration,
-        max_concurrency=None,
-        request_timeout_s=600.0,
-        stall_timeout_s=600.0,
-        exact_output=True,
         seed=args.seed,
-        slo=None,
     )
 
 

@@ -21,13 +21,13 @@ from collections.abc import Sequence
 
 import requests
 
-from chaos.injectors.engine_admin import EngineAdmin
+from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import scrape
 from engine.core.step_cost import StepShape, fit_linear_step_cost
 from kvstorm.bench.peer import cpu_kind, cpu_name
-from kvstorm.engine_commands import ADMIN_TOKEN_ENV
 from kvstorm.simulate.profiles import EngineShape, Fit, FittedProfile, LinearCost
+from kvstorm.simulate.run import random_load
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
@@ -42,21 +42,15 @@ TTFT = "vllm:time_to_first_token_seconds"
 
 def measuring_loads(base_url: str, model: str, concurrency: Sequence[int], seed: int) -> list[RunConfig]:
     def load(arrival: str, num_requests: int | None, duration_s: float | None, offset: int) -> RunConfig:
-        return RunConfig(
-            base_url=base_url,
-            model=model,
-            arrival=arrival,
-            workload="random",
-            input_len=PROMPT_LEN,
-            output_len=OUTPUT_LEN,
+        return random_load(
+            base_url,
+            model,
+            arrival,
+            PROMPT_LEN,
+            OUTPUT_LEN,
             num_requests=num_requests,
             duration_s=duration_s,
-            max_concurrency=None,
-            request_timeout_s=600.0,
-            stall_timeout_s=120.0,
-            exact_output=True,
             seed=seed + offset,
-            slo=None,
         )
 
     bursts = [load("constant:rate=1000", count, None, index) for index, count in enumerate(concurrency)]

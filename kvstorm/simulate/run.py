@@ -32,6 +32,37 @@ SIMULATED_NOTE = (
 )
 
 
+def random_load(
+    base_url: str,
+    model: str,
+    arrival: str,
+    input_len: str,
+    output_len: str,
+    *,
+    num_requests: int | None = None,
+    duration_s: float | None = None,
+    seed: int = 0,
+) -> RunConfig:
+    """A load of random token-id prompts with exact output lengths, open loop: what the simulator's benchmarks and
+    its profile's measuring load send (to a real server, or to the simulated one)."""
+    return RunConfig(
+        base_url=base_url,
+        model=model,
+        arrival=arrival,
+        workload="random",
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests,
+        duration_s=duration_s,
+        max_concurrency=None,
+        request_timeout_s=600.0,
+        stall_timeout_s=120.0,
+        exact_output=True,
+        seed=seed,
+        slo=None,
+    )
+
+
 @dataclass(frozen=True)
 class SimulatedRun:
     result: RunResult
