@@ -194,6 +194,9 @@ class Simulation:
         self.faults = FaultValues()
         self.down_until_s: float | None = None
         self.t = 0.0
+        # When the engine last did something a client could see (a step, an arrival, a client giving up): where the
+        # run ends, not at a fault boundary crossed after the last request.
+        self.last_event_s = 0.0
         # (when its client gives up, its index, the request)
         self.deadlines: list[tuple[float, int, SimulatedRequest]] = []
         self.result = SimulationResult([])
@@ -226,6 +229,7 @@ class Simulation:
                 duration_s = (self.fast_forward and self._decode_run(self.t, later)) or self._step(self.t)
                 if duration_s:
                     self.t += duration_s
+                    self.last_event_s = self.t
                     continue
             # Idle, or nothing it holds can run now (under a cap): on to whatever comes next.
             if later == math.inf:
@@ -235,6 +239,7 @@ class Simulation:
     def submit(self, request: SimulatedRequest) -> None:
         """A request reaches the engine now (the clock has reached its arrival)."""
         self.result.requests.append(request)
+        self.last_event_s = max(self.last_event_s, self.t)
         if self._admit(request):
             deadline_s = request.arrival.at_s + self.request_timeout_s
             heapq.heappush(self.deadlines, (deadline_s, request.arrival.index, request))
@@ -242,7 +247,7 @@ class Simulation:
     def finish(self) -> SimulationResult:
         for request in list(self.scheduler.requests.values()):  # nothing left could ever run them
             self._time_out(request)
-        self.result.end_s = self.t
+        self.result.end_s = self.last_event_s
         return self.result
 
     @property
@@ -410,6 +415,7 @@ class Simulation:
     def _time_out(self, request: SimulatedRequest) -> None:
         if request.outcome is not None:
             return
+        self.last_event_s = max(self.last_event_s, self.t)
         self.scheduler.abort_request(request.request_id)
         self._end(request, Outcome.CLIENT_TIMEOUT, f"no end within the request timeout ({self.request_timeout_s:g} s)")
 

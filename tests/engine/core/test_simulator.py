@@ -147,6 +147,12 @@ def test_a_client_that_waits_past_its_timeout_gives_up_and_frees_its_blocks():
     assert all(r.outcome == Outcome.OK for r in result.requests[1:])
 
 
+def test_the_run_ends_with_its_last_request_not_with_a_fault_after_it():
+    arrivals = [SimulatedArrival(0, 0.0, 64, 8)]
+    result = Simulation(engine(), arrivals, [FaultWindow("kill", 50.0, 60.0, None)]).run()
+    assert result.end_s == pytest.approx(result.requests[0].token_times_s[-1])
+
+
 def test_a_request_that_can_never_fit_is_refused_before_it_starts():
     result = Simulation(engine(num_device_blocks=10), [SimulatedArrival(0, 0.0, 200, 10)]).run()
     assert result.requests[0].outcome == Outcome.REJECTED
