@@ -33,7 +33,8 @@ the engine at START (every stream in it breaks, arrivals are refused) and restar
   --replicas 64 --router least-outstanding --fault '20s-80s@0-7 kv_cap={"fraction": 0.3}'
 """
 _FAULT = re.compile(r"\s*(?P<start>[^-\s@]+)\s*-\s*(?P<end>[^\s@]+)(@(?P<replicas>[\d,-]+))?\s+(?P<what>.+)")
-MAX_REPLICAS = 4096
+# Each replica has pools of its own: 512 of an H200's 51,898 blocks is about 2 GiB.
+MAX_REPLICAS = 512
 
 
 def parse_fault(text: str) -> tuple[FaultWindow, tuple[int, ...] | None]:

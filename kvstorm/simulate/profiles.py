@@ -19,6 +19,8 @@ from engine.core.step_cost import Gpu, LinearStepCost, Model, RooflineStepCost
 
 PROFILES = ("h200-llama-3-8b", "h100x8-llama-3-70b")
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+# A simulated pool keeps a few words per block: ten million blocks (160 million tokens of 16) is about a gigabyte.
+MAX_BLOCKS = 10_000_000
 
 
 class _Strict(BaseModel):
@@ -28,8 +30,8 @@ class _Strict(BaseModel):
 class EngineShape(_Strict):
     """The simulated engine's pools and scheduling rules (``kvstorm serve``'s options of the same names)."""
 
-    num_kv_blocks: PositiveInt | None = None  # None: what fits the memory (roofline profiles only)
-    num_swap_blocks: Annotated[int, Field(ge=0)] = 0
+    num_kv_blocks: Annotated[int, Field(ge=1, le=MAX_BLOCKS)] | None = None  # None: what fits the memory (roofline)
+    num_swap_blocks: Annotated[int, Field(ge=0, le=MAX_BLOCKS)] = 0
     block_size: PositiveInt = 16
     max_model_len: PositiveInt
     max_num_seqs: PositiveInt = 256

@@ -92,6 +92,8 @@ def test_the_same_seed_simulates_the_same_run(tmp_path):
         (("--profile", "no-such-profile"), "no profile"),
         (("--replicas", "4", "--fault", "1s-2s@9 kill"), "not among 0-3"),
         (("--fault", "1s-2s@x kill"), "not a fault window"),
+        (("--num-kv-blocks", "100000000000"), "less than or equal to 10000000"),
+        (("--replicas", "100000"), "not a number of replicas"),
     ],
 )
 def test_what_it_cannot_do_is_refused_with_a_clear_error(tmp_path, args, message):
