@@ -192,7 +192,7 @@ class Simulation:
         )
         self.next_boundary = 0
         self.faults = FaultValues()
-        self.down_until_s: float | None = None
+        self.is_down = False  # killed, until its restart
         self.t = 0.0
         # When the engine last did something a client could see (a step, an arrival, a client giving up): where the
         # run ends, not at a fault boundary crossed after the last request.
@@ -402,7 +402,7 @@ class Simulation:
 
     def _admit(self, request: SimulatedRequest) -> bool:
         arrival = request.arrival
-        if self.down_until_s is not None:
+        if self.is_down:
             self._end(request, Outcome.REJECTED, "connection refused: the engine is down (killed)")
             return False
         refusal = self.engine.fits(arrival.num_prompt_tokens, arrival.max_tokens)
@@ -430,9 +430,9 @@ class Simulation:
             if starts:
                 self._kill(window)
             else:
-                self.down_until_s = None
+                self.is_down = False
             return
-        if self.down_until_s is not None:
+        if self.is_down:
             return  # a fault set or cleared on a dead engine: its restart starts with none
         changes = window.changes if starts else {name: FaultValues().to_json()[name] for name in window.changes}
         self.faults.apply(self.faults.validated(changes))
@@ -441,7 +441,7 @@ class Simulation:
     def _kill(self, window: FaultWindow) -> None:
         for request in list(self.scheduler.requests.values()):
             self._end(request, Outcome.BROKEN_STREAM, f"the engine was killed ({window.name})")
-        self.down_until_s = window.end_s
+        self.is_down = True
         self.faults = FaultValues()
         self.scheduler = self._fresh_scheduler()
 

@@ -39,16 +39,20 @@ class StepShape:
     @classmethod
     def of_batch(cls, rows: Iterable[tuple[int, int]]) -> StepShape:
         """From ``(num_computed_tokens before the step, num_new_tokens)`` per row."""
-        prefill = decodes = context = pairs = 0
+        # The engine counts every step it runs (LLMEngine._record): a decode row, most of a big batch, takes the
+        # short branch, and its context and pairs are both computed + 1, summed once at the end.
+        prefill = decodes = decode_computed = prefill_context = prefill_pairs = 0
         for computed, new in rows:
             if new == 1:
                 decodes += 1
+                decode_computed += computed
             else:
                 prefill += new
-            context += computed + new
-            # New token j (0-based) of the row attends to computed + j + 1 keys.
-            pairs += new * computed + new * (new + 1) // 2
-        return cls(prefill, decodes, context, pairs)
+                prefill_context += computed + new
+                # New token j (0-based) of the row attends to computed + j + 1 keys.
+                prefill_pairs += new * computed + new * (new + 1) // 2
+        decode_context = decode_computed + decodes
+        return cls(prefill, decodes, decode_context + prefill_context, decode_context + prefill_pairs)
 
     def features(self) -> tuple[int, int, int, int]:
         return (self.num_prefill_tokens, self.num_decodes, self.num_context_tokens, self.num_attended_pairs)

@@ -23,7 +23,7 @@ from chaos.run.metrics import EngineActivity, scrape
 from engine.core.simulator import FaultWindow
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.peer import cpu_kind, cpu_name
-from kvstorm.simulate.measure import fitted_profile
+from kvstorm.simulate.measure import fitted_profile, served_model
 from kvstorm.simulate.profiles import load_profile, simulated_engine
 from kvstorm.simulate.run import random_load, simulate
 from loadgen.benchmark import run_benchmark
@@ -110,7 +110,9 @@ def run_bench_simulator(args: argparse.Namespace) -> BenchReport:
         config = _config(case, args.seed)
         real, real_preemptions = _run_real(case, config, args.server_args)
         engine = simulated_engine(profile, num_kv_blocks=case.num_kv_blocks)
-        simulated = simulate(config, engine, profile.name, [(case.fault, [0])] if case.fault else [])
+        # The real run's load, the server's model name included.
+        simulated_config = real.config.model_copy(update={"base_url": f"simulated ({profile_path})"})
+        simulated = simulate(simulated_config, engine, profile.name, [(case.fault, [0])] if case.fault else [])
         side = simulated.engine_side
         rows.append(
             (
@@ -136,7 +138,7 @@ def _fit_profile(server_args: str, path: Path) -> Path:
 def _config(case: Case, seed: int) -> RunConfig:
     return random_load(
         "",
-        "smollm2-135m",
+        "",  # the server's: both are filled in when it is up
         case.arrival,
         case.input_len,
         case.output_len,
@@ -153,7 +155,8 @@ def _run_real(case: Case, config: RunConfig, server_args: str) -> tuple[RunResul
     token = secrets.token_urlsafe(16)
     with kvstorm_server(serve_args, env={**os.environ, ADMIN_TOKEN_ENV: token}) as server:
         before = scrape(server.url)
-        result = run_event_loop(_load_with_fault(config.model_copy(update={"base_url": server.url}), case, token))
+        served = config.model_copy(update={"base_url": server.url, "model": served_model(server.url)})
+        result = run_event_loop(_load_with_fault(served, case, token))
         after = scrape(server.url)
     return result, EngineActivity.between(before, after).preemptions
 
@@ -166,10 +169,12 @@ async def _load_with_fault(config: RunConfig, case: Case, token: str) -> RunResu
     admin = EngineAdmin(config.base_url, token)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await asyncio.sleep(window.start_s)
-    await asyncio.to_thread(admin.set_faults, window.changes, 2 * (window.end_s - window.start_s))
-    await asyncio.sleep(max(0.0, window.end_s - (loop.time() - started)))
-    await asyncio.to_thread(admin.clear_faults)
+    try:
+        await asyncio.sleep(window.start_s)
+        await asyncio.to_thread(admin.set_faults, window.changes, 2 * (window.end_s - window.start_s))
+        await asyncio.sleep(max(0.0, window.end_s - (loop.time() - started)))
+    finally:  # cleared whatever happened, as a rollback would (the lease clears it too, if this process dies)
+        await asyncio.to_thread(admin.clear_faults)
     result = await load
     return result.model_copy(
         update={

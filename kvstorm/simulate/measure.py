@@ -40,6 +40,11 @@ PROMPT_LEN, OUTPUT_LEN = "uniform:16-1024", "uniform:8-96"
 TTFT = "vllm:time_to_first_token_seconds"
 
 
+def served_model(base_url: str) -> str:
+    """The model name a server answers to (its first in /v1/models)."""
+    return requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
 def measuring_loads(base_url: str, model: str, concurrency: Sequence[int], seed: int) -> list[RunConfig]:
     def load(arrival: str, num_requests: int | None, duration_s: float | None, offset: int) -> RunConfig:
         return random_load(
@@ -62,8 +67,7 @@ def fitted_profile(
 ) -> FittedProfile:
     token = secrets.token_urlsafe(16)
     with kvstorm_server([*serve_args, "--ttft-slo", "off"], env={**os.environ, ADMIN_TOKEN_ENV: token}) as server:
-        model = requests.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-        for config in measuring_loads(server.url, model, concurrency, seed):
+        for config in measuring_loads(server.url, served_model(server.url), concurrency, seed):
             before = scrape(server.url)
             result = run_event_loop(run_benchmark(config, show_progress=False))
             if result.summary.outcomes[Outcome.OK] != len(result.records):

@@ -156,8 +156,8 @@ def load_profile(name_or_path: str) -> FittedProfile | RooflineProfile:
 
 def simulated_engine(profile: FittedProfile | RooflineProfile, **overrides: object) -> SimulatedEngine:
     """The engine a profile describes; ``overrides`` replace fields of its ``engine`` (None: keep)."""
-    shape = profile.engine.model_copy(update={k: v for k, v in overrides.items() if v is not None})
-    EngineShape.model_validate(shape.model_dump())
+    updates = {name: value for name, value in overrides.items() if value is not None}
+    shape = EngineShape.model_validate({**profile.engine.model_dump(), **updates})
     if isinstance(profile, FittedProfile):
         cost: LinearStepCost | RooflineStepCost = LinearStepCost(**profile.cost.model_dump())
         bytes_per_block = profile.bytes_per_block
