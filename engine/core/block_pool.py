@@ -54,7 +54,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return max(0, self.capacity - self.num_used_blocks)
+        return max(0, self.capacity - self.num_blocks + len(self._empty) + len(self._evictable))
 
     @property
     def num_over_capacity(self) -> int:
@@ -92,18 +92,22 @@ class BlockPool:
     def allocate(self, num_blocks: int, beyond_capacity: bool = False) -> list[int] | None:
         """``num_blocks`` free blocks, or None; ``beyond_capacity``: any the pool really has, whatever a cap says
         (how a table held before the cap is restored)."""
-        available = len(self._empty) + len(self._evictable) if beyond_capacity else self.num_free_blocks
-        if num_blocks > available:
-            return None
-        block_ids = []
-        for _ in range(num_blocks):
-            resident = self.num_used_blocks + len(self._evictable)
-            if self._empty and (beyond_capacity or resident < self.capacity):
-                block_id = self._empty.popleft()
-            else:
-                block_id = self._evict_least_recent()
-            self._ref_counts[block_id] = 1
-            block_ids.append(block_id)
+        empty = self._empty
+        resident = self.num_blocks - len(empty)  # used or evictable
+        if resident + num_blocks <= self.capacity:  # most calls: empty blocks, within the capacity
+            block_ids = [empty.popleft() for _ in range(num_blocks)]
+        else:
+            available = len(empty) + len(self._evictable) if beyond_capacity else self.num_free_blocks
+            if num_blocks > available:
+                return None
+            # Empty blocks while the resident ones stay within the capacity; past it, a cached block is evicted for
+            # each, so that the cache never holds more than the capacity allows.
+            num_from_empty = min(num_blocks, len(empty) if beyond_capacity else max(0, self.capacity - resident))
+            block_ids = [empty.popleft() for _ in range(num_from_empty)]
+            block_ids.extend(self._evict_least_recent() for _ in range(num_blocks - num_from_empty))
+        ref_counts = self._ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] = 1
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:

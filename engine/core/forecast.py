@@ -80,11 +80,11 @@ class ForecastRequest:
         """``count`` more output tokens, whose values the forecast cannot know. With ``hashed`` (prefix caching on),
         a block they fill gets a hash of its own all the same: no other request shares it, but a recompute of this
         one finds it cached, as in the engine."""
-        first_filled = self.num_tokens // block_size + 1
+        num_full_before = self.num_tokens // block_size
         self.num_tokens += count
-        if not hashed:
+        if not hashed or self.num_tokens // block_size == num_full_before:  # most calls: no block filled
             return
-        for num_full in range(first_filled, self.num_tokens // block_size + 1):
+        for num_full in range(num_full_before + 1, self.num_tokens // block_size + 1):
             if len(self.block_hashes) == num_full - 1:
                 parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
                 self.block_hashes.append(hash_block(parent, (), f"invented {self.request_id}".encode()))
@@ -173,13 +173,18 @@ def advance(scheduler: Scheduler, plan: StepPlan) -> list[ForecastRequest]:
     """The step ran as planned: each request in it computed its tokens, and one that caught up sampled an output
     (finishing after its last). Returns those that sampled one, in batch order."""
     scheduler.back_off.on_success()
+    record_computed, block_size, hashed = (
+        scheduler.record_computed,
+        scheduler.kv.block_size,
+        scheduler.kv.enable_prefix_caching,
+    )
     sampled = []
     for request, num_new in plan.batch:
-        scheduler.record_computed(request, num_new)
+        record_computed(request, num_new)
         if request.num_computed_tokens < request.num_tokens:
             continue
         sampled.append(request)
-        request.add_invented_outputs(1, scheduler.kv.block_size, scheduler.kv.enable_prefix_caching)
+        request.add_invented_outputs(1, block_size, hashed)
         request.num_remaining_outputs -= 1
         if request.num_remaining_outputs <= 0:
             scheduler.finish_request(request.request_id, FinishReason.LENGTH)

@@ -101,37 +101,55 @@ class KVCacheManager:
         nothing, when that would leave fewer than ``num_reserved_blocks`` free.
         """
         table = self.device_tables.get(request_id)
-        if cached_block_ids and table:
+        num_held = len(table) if table is not None else 0
+        needed = -(-num_total_tokens // self.block_size) - num_held - len(cached_block_ids)
+        if not cached_block_ids:
+            if needed <= 0:  # most calls: a decode within its last block
+                return []
+            if self.device_pool.num_free_blocks - needed < num_reserved_blocks:
+                return None
+            new_block_ids = self._allocate(needed)
+            if table is None:
+                self.device_tables[request_id] = new_block_ids[:]
+            else:
+                table.extend(new_block_ids)
+            return new_block_ids
+        if num_held:
             raise ValueError(f"request {request_id!r} holds blocks already: a cached prefix starts a table")
-        num_held = len(cached_block_ids) + (len(table) if table is not None else 0)
-        needed = max(0, num_blocks_for(num_total_tokens, self.block_size) - num_held)
-        if not needed and not cached_block_ids:
-            return []
+        needed = max(0, needed)
         # Taking back an evictable cached block costs a free block as much as a new one does.
         num_reused_free = sum(1 for block_id in cached_block_ids if self.device_pool.ref_count(block_id) == 0)
         if self.device_pool.num_free_blocks - needed - num_reused_free < num_reserved_blocks:
             return None
         self.device_pool.touch(cached_block_ids)
-        new_block_ids = self.device_pool.allocate(needed)
-        if new_block_ids is None:
-            raise AssertionError("the free count said the blocks were there")
-        if cached_block_ids:
-            self._num_offered[request_id] = len(cached_block_ids)
-        self.device_tables.setdefault(request_id, []).extend([*cached_block_ids, *new_block_ids])
+        new_block_ids = self._allocate(needed)
+        self._num_offered[request_id] = len(cached_block_ids)
+        self.device_tables[request_id] = [*cached_block_ids, *new_block_ids]
         return new_block_ids
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        block_ids = self.device_pool.allocate(num_blocks)
+        if block_ids is None:
+            raise AssertionError("the free count said the blocks were there")
+        return block_ids
 
     def register_computed_blocks(self, request: HashedRequest) -> None:
         """Offer the cache every full block the request has computed since the last call (a no-op with prefix
         caching off); one whose prefix is cached already stays the request's own."""
-        table = self.device_tables.get(request.request_id)
-        if not self.enable_prefix_caching or not table:
+        if not self.enable_prefix_caching:
             return
-        start = self._num_offered.get(request.request_id, 0)
+        request_id = request.request_id
+        table = self.device_tables.get(request_id)
+        if not table:
+            return
+        start = self._num_offered.get(request_id, 0)
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes), len(table))
+        if end <= start:  # most calls: no block filled since the last
+            return
+        register, block_hashes = self.device_pool.register, request.block_hashes
         for index in range(start, end):
-            self.device_pool.register(table[index], request.block_hashes[index])
-        if end > start:
-            self._num_offered[request.request_id] = end
+            register(table[index], block_hashes[index])
+        self._num_offered[request_id] = end
 
     def count_admission(self, num_tokens: int, num_hit_tokens: int) -> None:
         """A request admitted with ``num_hit_tokens`` of its ``num_tokens`` found cached (nothing with caching off)."""

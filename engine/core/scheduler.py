@@ -260,13 +260,15 @@ class Scheduler:
             self._preempt_newest(plan)
 
     def _schedule_running(self, budget: StepBudget, plan: StepPlan) -> None:
+        # Every step runs this for every running request: the calls it makes are looked up once.
+        running, allocate_slots, num_new_tokens = self.running, self.kv.allocate_slots, self._num_new_tokens
         index = 0
-        while index < len(self.running) and budget.tokens > 0 and budget.seats > 0:
-            request = self.running[index]
-            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget.tokens)
+        while index < len(running) and budget.tokens > 0 and budget.seats > 0:
+            request = running[index]
+            num_new = num_new_tokens(request.num_tokens - request.num_computed_tokens, budget.tokens)
             if num_new == 0:
                 break
-            while self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
+            while allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 # The newest arrival: never one already scheduled this step, since those come first.
                 if self._preempt_newest(plan) is request:
                     return

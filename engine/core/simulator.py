@@ -24,6 +24,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from engine.core.block_hash import BlockHash
@@ -36,6 +37,8 @@ from engine.core.outputs import FinishReason, RemainingWork
 from engine.core.preemption import PreemptionPolicy
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
+
+by_remaining_outputs = attrgetter("num_remaining_outputs")
 
 # What a step of a prefill-only batch of this many tokens costs is the preemption policy's first estimate of
 # recompute (the engine measures the same at start-up).
@@ -268,10 +271,12 @@ class Simulation:
     def _decode_run(self, t: float, until_s: float) -> float:
         """Many steps at once, where each of them would decode one token of every running request and nothing else
         can happen between them: nothing waits or is swapped out, the batch limits hold every running request, no
-        fault fails a step, and the pool has the blocks the run needs (so none is preempted). The run ends at the
-        step in which ``until_s`` (an arrival, a fault's boundary, a client's deadline) passes, or at the first
-        request's last token. The same decisions and times as planning each step (a test compares them), at a cost
-        per run instead of per token. Returns its duration, 0 when it does not apply."""
+        fault fails a step, and the pool has the blocks the run needs (so none is preempted). A request that gets
+        its last token leaves the batch and the run goes on without it (with nothing waiting, the blocks it frees
+        change no decision). The run ends at the step in which ``until_s`` (an arrival, a fault's boundary, a
+        client's deadline) passes, or when every request in it is done. The same decisions and times as planning
+        each step (a test compares them), at a cost per run instead of per token. Returns its duration, 0 when it
+        does not apply."""
         scheduler, faults = self.scheduler, self.faults
         running = scheduler.running
         limit = scheduler.back_off.limit
@@ -286,40 +291,49 @@ class Simulation:
             or scheduler.kv.device_pool.num_over_capacity
         ):
             return 0.0
-        max_steps = math.inf
+        context = 0
         for request in running:
             if request.num_computed_tokens != request.num_tokens - 1:  # a prompt (or a recompute) is not done
                 return 0.0
-            max_steps = min(max_steps, request.num_remaining_outputs)
-        max_steps = self._steps_with_blocks(max_steps)
+            context += request.num_computed_tokens
+        # Requests by the step in which they get their last token.
+        rows = sorted(running, key=by_remaining_outputs)
+        max_steps = self._steps_with_blocks(rows[-1].num_remaining_outputs)
         if max_steps < 2:
             return 0.0
-        cost, latency_s = self.engine.cost, self.engine.token_latency_s
-        context = sum(r.num_computed_tokens for r in running)
-        elapsed_s, delivered = 0.0, []
-        for _ in range(max_steps):
+        cost, step_delay, latency_s = self.engine.cost, faults.step_delay, self.engine.token_latency_s
+        elapsed_s, delivered, num_done = 0.0, [], 0
+        for step in range(1, max_steps + 1):
             context += num_rows  # each decode attends to its whole context, the new token's own key included
-            elapsed_s += cost.step_s(StepShape(0, num_rows, context, context)) + faults.step_delay
+            elapsed_s += cost.step_s(StepShape(0, num_rows, context, context)) + step_delay
             delivered.append(t + elapsed_s + latency_s)
-            if t + elapsed_s >= until_s:
+            while num_done < len(rows) and rows[num_done].num_remaining_outputs == step:
+                context -= rows[num_done].num_computed_tokens + step
+                num_rows -= 1
+                num_done += 1
+            if t + elapsed_s >= until_s or not num_rows:
                 break
         num_steps = len(delivered)
         kv = scheduler.kv
-        block_size, hashed = kv.block_size, kv.enable_prefix_caching
-        for request in list(running):
-            computed = request.num_computed_tokens
-            # The scheduler's own calls where a block of its table starts, of its KV fills or of its tokens fills (so
-            # gets a hash); plain counting where none does (most requests in a short run).
-            if (computed - 1) // block_size != (computed + num_steps + 1) // block_size:
-                kv.allocate_slots(request.request_id, computed + num_steps)
-                scheduler.record_computed(request, num_steps)
-                request.add_invented_outputs(num_steps, block_size, hashed)
+        block_size, hashed, allocate_slots = kv.block_size, kv.enable_prefix_caching, kv.allocate_slots
+        for request in rows:
+            computed, remaining = request.num_computed_tokens, request.num_remaining_outputs
+            steps = num_steps if num_steps < remaining else remaining
+            done = computed + steps
+            # The scheduler's own calls where they change something (most rows in a short run need none): where a
+            # block of its table starts, and (prefix caching) where its KV fills a block or its tokens fill one (which
+            # so gets a hash).
+            if (done - 1) // block_size != (computed - 1) // block_size:
+                allocate_slots(request.request_id, done)
+            if hashed and (done + 1) // block_size != computed // block_size:
+                scheduler.record_computed(request, steps)
+                request.add_invented_outputs(steps, block_size, hashed)
             else:
-                request.num_computed_tokens += num_steps
-                request.num_tokens += num_steps
-            request.num_remaining_outputs -= num_steps
-            request.token_times_s.extend(delivered)
-            if request.num_remaining_outputs <= 0:
+                request.num_computed_tokens = done
+                request.num_tokens += steps
+            request.num_remaining_outputs = remaining - steps
+            request.token_times_s.extend(delivered if steps == num_steps else delivered[:steps])
+            if remaining == steps:
                 scheduler.finish_request(request.request_id, FinishReason.LENGTH)
                 self._end(request, Outcome.OK)
         scheduler.back_off.on_success()
@@ -331,15 +345,22 @@ class Simulation:
         return elapsed_s
 
     def _steps_with_blocks(self, max_steps: int) -> int:
-        """The most decode steps (up to ``max_steps``) in which no running request lacks a block."""
+        """The most decode steps (up to ``max_steps``) in which no running request lacks a block (counting none of
+        the blocks that requests finishing meanwhile give back)."""
         kv = self.scheduler.kv
         block_size, free = kv.block_size, kv.device_pool.num_free_blocks
         if free >= len(self.scheduler.running) * (max_steps // block_size + 1):  # a block per row per block of steps
             return max_steps
-        tables = [(r.num_computed_tokens, len(kv.block_ids(r.request_id))) for r in self.scheduler.running]
+        tables = [
+            (r.num_computed_tokens, r.num_remaining_outputs, len(kv.block_ids(r.request_id)))
+            for r in self.scheduler.running
+        ]
 
         def blocks_needed(num_steps: int) -> int:
-            return sum(max(0, -(-(computed + num_steps) // block_size) - held) for computed, held in tables)
+            return sum(
+                max(0, -(-(computed + min(num_steps, remaining)) // block_size) - held)
+                for computed, remaining, held in tables
+            )
 
         low, high = 0, max_steps  # blocks_needed grows with the steps: the largest that fits
         while low < high:
@@ -360,13 +381,14 @@ class Simulation:
         result.num_swapped_out_blocks += len(plan.blocks_to_swap_out)
         result.num_swapped_in_blocks += len(plan.blocks_to_swap_in)
         swap_s = num_moved * cost.swap_block_s + self.faults.block_moves_delay_s(num_moved) if num_moved else 0.0
-        failure = self.faults.take_step_failure(plan.num_batched_tokens) if plan.batch else None
+        num_batched_tokens = plan.num_batched_tokens
+        failure = self.faults.take_step_failure(num_batched_tokens) if plan.batch else None
         shape = StepShape.of_batch([(r.num_computed_tokens, n) for r, n in plan.batch] if failure is None else [])
         duration_s = swap_s + self.faults.step_delay + cost.step_s(shape)
         end_s = t + duration_s
         if failure is not None:
             result.num_failed_steps += 1
-            if scheduler.back_off.on_failure(len(plan.batch), plan.num_batched_tokens):
+            if scheduler.back_off.on_failure(len(plan.batch), num_batched_tokens):
                 victim = plan.batch[0][0]
                 scheduler.finish_request(victim.request_id, FinishReason.ERROR)
                 self._end(victim, Outcome.BROKEN_STREAM, f"the engine gave up on it after failed steps: {failure}")
@@ -376,8 +398,8 @@ class Simulation:
                 request.token_times_s.append(delivered_s)
                 if request.num_remaining_outputs <= 0:
                     self._end(request, Outcome.OK)
-            if shape.num_prefill_tokens > plan.num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
-                scheduler.preemption_policy.observe_prefill(plan.num_batched_tokens, duration_s)
+            if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
+                scheduler.preemption_policy.observe_prefill(num_batched_tokens, duration_s)
         scheduler.preemption_policy.observe_swap(num_moved, swap_s)
         if self.check_invariants:
             scheduler.check_invariants()

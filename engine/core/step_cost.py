@@ -19,17 +19,17 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
-FEATURES = ("num_prefill_tokens", "num_decodes", "num_context_tokens", "num_attended_pairs")
 
-
-@dataclass(frozen=True)
-class StepShape:
-    """One step as its cost sees it. A decode is a row of one new token; every other row's tokens count as prefill
-    (a prompt chunk, or a recompute). ``num_context_tokens``: KV tokens the step's rows hold after it (what its
-    attention reads); ``num_attended_pairs``: the (new token, key) pairs its attention scores."""
+class StepShape(NamedTuple):
+    """One step as its cost sees it (a tuple: the simulator makes one for every step it prices). A decode is a row of
+    one new token; every other row's tokens count as prefill (a prompt chunk, or a recompute).
+    ``num_context_tokens``: KV tokens the step's rows hold after it (what its attention reads);
+    ``num_attended_pairs``: the (new token, key) pairs its attention scores."""
 
     num_prefill_tokens: int
     num_decodes: int
@@ -54,8 +54,9 @@ class StepShape:
         decode_context = decode_computed + decodes
         return cls(prefill, decodes, decode_context + prefill_context, decode_context + prefill_pairs)
 
-    def features(self) -> tuple[int, int, int, int]:
-        return (self.num_prefill_tokens, self.num_decodes, self.num_context_tokens, self.num_attended_pairs)
+
+# What a linear step cost has a coefficient for, in order.
+FEATURES = StepShape._fields
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ def fit_linear_step_cost(
     prefill): every subset of the features is solved and the best one with no negative coefficient kept."""
     if len(shapes) != len(durations_s) or len(shapes) < len(FEATURES) + 1:
         raise ValueError(f"need at least {len(FEATURES) + 1} measured steps, got {len(shapes)}")
-    x = np.array([(1.0, *shape.features()) for shape in shapes], dtype=float)
+    x = np.array([(1.0, *shape) for shape in shapes], dtype=float)
     y = np.array(durations_s, dtype=float)
     if not np.all(y > 0):
         raise ValueError("every measured step must have a positive duration")
@@ -155,11 +156,12 @@ class Model:
     head_dim: int
     bytes_per_value: int
 
-    @property
+    # Cached: a roofline reads both for every step it prices.
+    @cached_property
     def weight_bytes(self) -> float:
         return self.num_parameters * self.bytes_per_value
 
-    @property
+    @cached_property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_value
 
