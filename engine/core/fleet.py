@@ -22,6 +22,7 @@ from engine.core.simulator import (
     SimulatedArrival,
     SimulatedEngine,
     SimulatedRequest,
+    SimulatedSession,
     Simulation,
     SimulationResult,
 )
@@ -63,8 +64,17 @@ class Fleet:
         # Which replica each request went to, by its index.
         self.assignment: dict[int, int] = {}
 
-    def run(self, arrivals: Sequence[SimulatedArrival]) -> list[SimulatedRequest]:
-        """Every request, each in the order of arrival, as its client saw it."""
+    def run(
+        self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession] = ()
+    ) -> list[SimulatedRequest]:
+        """Every request, each in the order of arrival, as its client saw it. Sessions (multi-turn) run on one
+        replica only: this fleet moves every replica up to each arrival it knows of beforehand, and a turn becomes
+        known only when the answer before it ends."""
+        if sessions:
+            if len(self.replicas) > 1:
+                raise ValueError("multi-turn sessions are simulated on one engine, not on a fleet of replicas yet")
+            self.replicas[0].add_load(arrivals, sessions)
+            return self._in_order(self.replicas[0].run().requests)
         for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
             for replica in self.replicas:
                 replica.advance_until(arrival.at_s)
@@ -74,7 +84,10 @@ class Fleet:
         for replica in self.replicas:
             replica.advance_until(math.inf)
             replica.finish()
-        requests = [request for replica in self.replicas for request in replica.result.requests]
+        return self._in_order([request for replica in self.replicas for request in replica.result.requests])
+
+    @staticmethod
+    def _in_order(requests: list[SimulatedRequest]) -> list[SimulatedRequest]:
         return sorted(requests, key=lambda r: (r.arrival.at_s, r.arrival.index))
 
     def merged(self, requests: list[SimulatedRequest]) -> SimulationResult:

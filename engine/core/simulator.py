@@ -13,6 +13,9 @@ clears it: the engine's run-time faults (``engine.core.fault_limits.FaultValues`
 link, slow steps, out-of-memory steps), or a kill (every stream in the engine breaks, requests arriving while it is
 down are refused, and it restarts empty, with no fault, at the window's end).
 
+Multi-turn sessions (``SimulatedSession``): a turn's answer, once it reached its client, sends the next turn after a
+think time, with the conversation so far as its prompt.
+
 What it does not model: admission control (every request is admitted), the serving layer's costs beyond what the
 step-cost model and the token latency were fitted on, and clients that stall (a client gives up only after its
 request timeout).
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
-from engine.core.block_hash import BlockHash
+from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.fault_limits import FaultValues
@@ -90,6 +93,78 @@ class SimulatedArrival:
     max_tokens: int
     # Its prompt's full blocks (``engine.core.block_hash``): what a prefix cache can find of it.
     block_hashes: tuple[BlockHash, ...] = ()
+    # The conversation it is a turn of, if any.
+    session: SimulatedSession | None = None
+
+
+@dataclass(frozen=True)
+class SimulatedTurn:
+    """One turn of a conversation: the tokens it adds to the conversation so far (the first turn: its whole prompt),
+    and the answer it asks for."""
+
+    num_new_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class SimulatedSession:
+    """A multi-turn conversation (``loadgen.sessions``): its first turn arrives at ``at_s``; each later one
+    ``think_s`` after the answer before it reached its client, if that answer ended ok, and sends the whole
+    conversation: the previous prompt, the previous answer and its own new tokens. Its first
+    ``num_shared_tokens`` are the same in every session (a system prompt); its request indices are
+    ``index * len(turns) + turn``."""
+
+    index: int
+    at_s: float
+    turns: tuple[SimulatedTurn, ...]
+    think_s: float = 0.0
+    num_shared_tokens: int = 0
+
+    def first_arrival(self, block_size: int, hashed: bool) -> SimulatedArrival:
+        turn = self.turns[0]
+        shared = min(self.num_shared_tokens, turn.num_new_tokens)
+        # Token ids stand in for the text only as far as prefix caching looks at them: equal where the sessions'
+        # prompts are equal, the session's own elsewhere.
+        token_ids = [*range(shared), *[self._marker(0)] * (turn.num_new_tokens - shared)]
+        return self._arrival(0, self.at_s, token_ids, block_size, hashed)
+
+    def next_arrival(self, answered: SimulatedRequest, block_size: int, hashed: bool) -> SimulatedArrival | None:
+        """The turn after ``answered`` (which ended ok), or None after the last."""
+        turn_index = answered.arrival.index - self.index * len(self.turns) + 1
+        if turn_index == len(self.turns):
+            return None
+        # The conversation so far is cached as the engine computed it: the previous prompt and answer (the answer
+        # as it was generated; a server that tokenizes its text again may find a block or two less), then new tokens.
+        previous = answered.num_tokens
+        new = self.turns[turn_index].num_new_tokens
+        token_ids = [0] * previous + [self._marker(turn_index)] * new
+        hashes = list(answered.block_hashes[: previous // block_size]) if hashed else []
+        at_s = answered.token_times_s[-1] + self.think_s
+        return self._arrival(turn_index, at_s, token_ids, block_size, hashed, hashes)
+
+    def _arrival(
+        self,
+        turn_index: int,
+        at_s: float,
+        token_ids: list[int],
+        block_size: int,
+        hashed: bool,
+        hashes: list[BlockHash] | None = None,
+    ) -> SimulatedArrival:
+        hashes = hashes or []
+        if hashed:
+            extend_block_hashes(hashes, token_ids, block_size)
+        return SimulatedArrival(
+            self.index * len(self.turns) + turn_index,
+            at_s,
+            len(token_ids),
+            self.turns[turn_index].max_tokens,
+            tuple(hashes),
+            self,
+        )
+
+    def _marker(self, turn_index: int) -> int:
+        return -1 - (self.index * len(self.turns) + turn_index)
 
 
 @dataclass(frozen=True)
@@ -179,9 +254,15 @@ class Simulation:
         keep_steps: bool = True,
         check_invariants: bool = False,
         fast_forward: bool = True,
+        sessions: Sequence[SimulatedSession] = (),
     ) -> None:
         self.engine = engine
-        self.arrivals = sorted(arrivals, key=lambda a: (a.at_s, a.index))
+        self.arrivals: list[SimulatedArrival] = []
+        # With sessions, a step that ends a turn ends ``advance_until`` too: the next turn may arrive before whatever
+        # the caller waits for.
+        self.has_sessions = False
+        self.answered_turns: list[SimulatedRequest] = []
+        self.add_load(arrivals, sessions)
         self.request_timeout_s = request_timeout_s
         self.keep_steps = keep_steps
         # After every step, the block and queue invariants the engine's debug flag checks (tests).
@@ -205,13 +286,33 @@ class Simulation:
         self.result = SimulationResult([])
         self.scheduler = self._fresh_scheduler()
 
+    def add_load(self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession] = ()) -> None:
+        """More for ``run`` to send: single requests, and sessions whose first turns arrive as they start."""
+        hashed = self.engine.enable_prefix_caching
+        self.arrivals += [*arrivals, *(session.first_arrival(self.engine.block_size, hashed) for session in sessions)]
+        self.has_sessions = self.has_sessions or bool(sessions)
+
     def run(self) -> SimulationResult:
-        """Every arrival in turn, then on until the engine has nothing left to do."""
-        for arrival in self.arrivals:
-            self.advance_until(arrival.at_s)
-            self.submit(SimulatedRequest(arrival))
-        self.advance_until(math.inf)
-        return self.finish()
+        """Every arrival in turn (a session's later turns as their answers come), then on until the engine has
+        nothing left to do."""
+        pending = [(arrival.at_s, arrival.index, arrival) for arrival in self.arrivals]
+        heapq.heapify(pending)
+        while True:
+            self.advance_until(pending[0][0] if pending else math.inf)
+            if self.answered_turns:
+                for answered in self.answered_turns:
+                    session = answered.arrival.session
+                    assert session is not None
+                    follow_up = session.next_arrival(
+                        answered, self.engine.block_size, self.engine.enable_prefix_caching
+                    )
+                    if follow_up is not None:
+                        heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
+                self.answered_turns.clear()
+                continue
+            if not pending:
+                return self.finish()
+            self.submit(SimulatedRequest(heapq.heappop(pending)[2]))
 
     def advance_until(self, until_s: float) -> None:
         """Run steps until the clock reaches ``until_s`` (the step in progress may end after it), crossing the fault
@@ -233,6 +334,8 @@ class Simulation:
                 if duration_s:
                     self.t += duration_s
                     self.last_event_s = self.t
+                    if self.answered_turns:
+                        return
                     continue
             # Idle, or nothing it holds can run now (under a cap): on to whatever comes next.
             if later == math.inf:
@@ -311,7 +414,8 @@ class Simulation:
                 context -= rows[num_done].num_computed_tokens + step
                 num_rows -= 1
                 num_done += 1
-            if t + elapsed_s >= until_s or not num_rows:
+            # With sessions, a turn's end is where its next turn is sent from.
+            if t + elapsed_s >= until_s or not num_rows or (num_done and self.has_sessions):
                 break
         num_steps = len(delivered)
         kv = scheduler.kv
@@ -326,8 +430,9 @@ class Simulation:
             if (done - 1) // block_size != (computed - 1) // block_size:
                 allocate_slots(request.request_id, done)
             if hashed and (done + 1) // block_size != computed // block_size:
-                scheduler.record_computed(request, steps)
+                # Hashes first: a block the run both fills with tokens and computes is registered, as step by step.
                 request.add_invented_outputs(steps, block_size, hashed)
+                scheduler.record_computed(request, steps)
             else:
                 request.num_computed_tokens = done
                 request.num_tokens += steps
@@ -443,6 +548,8 @@ class Simulation:
 
     def _end(self, request: SimulatedRequest, outcome: str, error: str = "") -> None:
         request.outcome, request.error = outcome, error
+        if outcome == Outcome.OK and request.arrival.session is not None:
+            self.answered_turns.append(request)
 
     # ---- faults -------------------------------------------------------------------------------
 

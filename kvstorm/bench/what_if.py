@@ -16,7 +16,7 @@ from engine.core.simulator import FaultWindow, SimulatedEngine
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.serve import duration_arg
 from kvstorm.simulate.profiles import RooflineProfile, load_profile, simulated_engine
-from kvstorm.simulate.run import SimulatedRun, random_load, simulate
+from kvstorm.simulate.run import SimulatedRun, open_loop_load, simulate
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
 
@@ -77,7 +77,7 @@ def run_bench_what_if(args: argparse.Namespace) -> BenchReport:
 
 
 def _config(args: argparse.Namespace, rate: float) -> RunConfig:
-    return random_load(
+    return open_loop_load(
         f"simulated ({args.profile})",
         "simulated",
         f"poisson:rate={rate:.4g}",

@@ -15,6 +15,7 @@ from engine.core.config import PreemptionMode
 from engine.core.fleet import ROUTERS
 from engine.core.simulator import FaultWindow
 from kvstorm.bench.serve import duration_arg
+from kvstorm.simulate.conversations import TemplateTokens
 from kvstorm.simulate.measure import CONCURRENCY, fitted_profile
 from kvstorm.simulate.profiles import PROFILES, load_profile, simulated_engine
 from kvstorm.simulate.run import simulate
@@ -96,7 +97,18 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=f"a step-cost profile: {', '.join(PROFILES)} (roofline examples), or a file from `simulate profile`",
     )
-    run.add_argument("--workload", default="random", help="random[:low=,high=] or shared-prefix:... (token prompts)")
+    run.add_argument(
+        "--workload",
+        default="random",
+        help="random[:low=,high=], shared-prefix:..., a trace's prompts, or multiturn:turns=,system_len=[,think_s=]",
+    )
+    run.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="multiturn: the served model's GGUF file or Hugging Face folder, to count the chat's tokens as its server "
+        "does (default: estimated from the words)",
+    )
     run.add_argument("--input-len", default="fixed:128", help="prompt length distribution (tokens)")
     run.add_argument("--output-len", default="fixed:128", help="output length distribution (max_tokens)")
     run.add_argument("--arrival", default="poisson:rate=4", help="arrival process (see above)")
@@ -171,7 +183,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     every = tuple(range(args.replicas))
     faults = [(window, every if hit is None else hit) for window, hit in args.fault]
-    run = simulate(config, engine, profile.name, faults, args.bucket, args.replicas, args.router)
+    if args.tokenizer is not None and not args.tokenizer.exists():
+        raise ValueError(f"--tokenizer {args.tokenizer}: no such file or folder")
+    chat_tokens = TemplateTokens(args.tokenizer) if args.tokenizer is not None else None
+    run = simulate(config, engine, profile.name, faults, args.bucket, args.replicas, args.router, chat_tokens)
     side = run.engine_side
     stem = f"simulate-{time.strftime('%Y%m%d-%H%M%S')}-{run.result.run_id}"
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"

@@ -27,7 +27,7 @@ from chaos.run.metrics import scrape
 from engine.core.step_cost import StepShape, fit_linear_step_cost
 from kvstorm.bench.peer import cpu_kind, cpu_name
 from kvstorm.simulate.profiles import EngineShape, Fit, FittedProfile, LinearCost
-from kvstorm.simulate.run import random_load
+from kvstorm.simulate.run import open_loop_load
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig
@@ -47,7 +47,7 @@ def served_model(base_url: str) -> str:
 
 def measuring_loads(base_url: str, model: str, concurrency: Sequence[int], seed: int) -> list[RunConfig]:
     def load(arrival: str, num_requests: int | None, duration_s: float | None, offset: int) -> RunConfig:
-        return random_load(
+        return open_loop_load(
             base_url,
             model,
             arrival,

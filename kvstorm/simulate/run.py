@@ -18,6 +18,7 @@ from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.fleet import Fleet
 from engine.core.simulator import FaultWindow, SimulatedArrival, SimulatedEngine, SimulatedRequest, StepSample
 from engine.core.simulator import SimulationResult as EngineSimulation
+from kvstorm.simulate.conversations import ChatTokens, EstimatedTokens, simulated_sessions
 from loadgen.analysis import advisories, parse_slos, summarize
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
@@ -32,7 +33,7 @@ SIMULATED_NOTE = (
 )
 
 
-def random_load(
+def open_loop_load(
     base_url: str,
     model: str,
     arrival: str,
@@ -42,14 +43,15 @@ def random_load(
     num_requests: int | None = None,
     duration_s: float | None = None,
     seed: int = 0,
+    workload: str = "random",
 ) -> RunConfig:
-    """A load of random token-id prompts with exact output lengths, open loop: what the simulator's benchmarks and
-    its profile's measuring load send (to a real server, or to the simulated one)."""
+    """An open-loop load with exact output lengths (by default of random token-id prompts): what the simulator's
+    benchmarks and its profile's measuring load send (to a real server, or to the simulated one)."""
     return RunConfig(
         base_url=base_url,
         model=model,
         arrival=arrival,
-        workload="random",
+        workload=workload,
         input_len=input_len,
         output_len=output_len,
         num_requests=num_requests,
@@ -78,14 +80,14 @@ def simulate(
     bucket_s: float = 1.0,
     replicas: int = 1,
     router: str = "round-robin",
+    chat_tokens: ChatTokens | None = None,
 ) -> SimulatedRun:
-    """``faults``: each window with the replicas it hits (0 for one engine)."""
+    """``faults``: each window with the replicas it hits (0 for one engine). ``chat_tokens``: how a multi-turn
+    load's text is counted in tokens (default: estimated from its words)."""
     slos = parse_slos(config.slo)
     plan = plan_run(config)
-    if plan.sessions is not None:
-        raise ValueError(
-            f"{config.workload!r}: multi-turn sessions are not simulated yet (their turns wait on answers)"
-        )
+    chat_tokens = chat_tokens or EstimatedTokens()
+    sessions = [] if plan.sessions is None else simulated_sessions(plan.sessions, chat_tokens)
     arrivals = []
     for planned in plan.requests:
         prompt = planned.body.get("prompt")
@@ -102,13 +104,19 @@ def simulate(
         )
     started = time.perf_counter()
     fleet = Fleet(engine, replicas, router, faults, request_timeout_s=config.request_timeout_s)
-    engine_side = fleet.merged(fleet.run(arrivals))
+    engine_side = fleet.merged(fleet.run(arrivals, sessions))
     wall_s = time.perf_counter() - started
     shared = {planned.index: planned.shared_prefix_tokens for planned in plan.requests}
-    records = [_record(request, shared[request.arrival.index]) for request in engine_side.requests]
+    records = [_record(request, shared) for request in engine_side.requests]
     duration_s = max([engine_side.end_s, *(r.end_s for r in records)])
-    summary = summarize(records, duration_s, slos)
+    summary = summarize(records, duration_s, slos, plan.num_turns)
     notes = [SIMULATED_NOTE.format(profile=profile_name, latency_ms=engine.token_latency_s * 1e3)]
+    if sessions:
+        notes.append(
+            f"Multi-turn: each turn's new tokens (template and user message) are {chat_tokens.description}. A turn "
+            "finds the conversation before it in the prefix cache as the engine computed it (the answer as it was "
+            "generated); a server that tokenizes the answer's text again may find a block or two less."
+        )
     if replicas > 1:
         notes.append(
             f"A fleet of {replicas} replicas of that engine behind a {router} router; the server series are "
@@ -140,8 +148,15 @@ def simulate(
     )
 
 
-def _record(request: SimulatedRequest, shared_prefix_tokens: int) -> RequestRecord:
+def _record(request: SimulatedRequest, shared: dict[int, int]) -> RequestRecord:
+    """``shared``: each single request's shared prefix tokens by index (a session's turn shares the turn before)."""
     arrival, times = request.arrival, request.token_times_s
+    session, turn = None, None
+    shared_prefix_tokens = shared.get(arrival.index, 0)
+    if arrival.session is not None:
+        session, turn = arrival.session.index, arrival.index - arrival.session.index * len(arrival.session.turns) + 1
+        if turn > 1:
+            shared_prefix_tokens = arrival.num_prompt_tokens - arrival.session.turns[turn - 1].num_new_tokens
     outcome = Outcome(request.outcome)
     started = outcome in (Outcome.OK, Outcome.BROKEN_STREAM) or (outcome is Outcome.CLIENT_TIMEOUT and times)
     return RequestRecord(
@@ -163,6 +178,8 @@ def _record(request: SimulatedRequest, shared_prefix_tokens: int) -> RequestReco
         requested_output_tokens=arrival.max_tokens,
         cached_tokens=request.num_cached_tokens,
         shared_prefix_tokens=shared_prefix_tokens,
+        session=session,
+        turn=turn,
     )
 
 

@@ -88,7 +88,8 @@ def test_the_same_seed_simulates_the_same_run(tmp_path):
         (("--fault", "1s-2s step_delay=forever"), "fault '1s-2s step_delay=forever'"),
         (("--fault", "soon kill"), "not a fault window"),
         (("--workload", "chat"), "token ids"),
-        (("--workload", "multiturn:turns=2,system_len=100"), "multi-turn"),
+        (("--workload", "multiturn:turns=2,system_len=100", "--replicas", "2"), "not on a fleet"),
+        (("--workload", "multiturn:turns=2,system_len=100", "--tokenizer", "/no/such.gguf"), "no such file"),
         (("--profile", "no-such-profile"), "no profile"),
         (("--replicas", "4", "--fault", "1s-2s@9 kill"), "not among 0-3"),
         (("--fault", "1s-2s@x kill"), "not a fault window"),
@@ -102,6 +103,40 @@ def test_what_it_cannot_do_is_refused_with_a_clear_error(tmp_path, args, message
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_multi_turn_run_sends_each_turn_after_its_answer_with_the_conversation_cached(tmp_path, real_source):
+    result = run_kvstorm(
+        "simulate", "run", "--profile", "h200-llama-3-8b", "--workload", "multiturn:turns=3,system_len=200,think_s=2",
+        "--arrival", "poisson:rate=1", "--num-requests", "10", "--input-len", "uniform:30-90",
+        "--output-len", "uniform:20-60", "--tokenizer", str(real_source.path), "--results-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = RunResult.read(next(tmp_path.glob("simulate-*.json")))
+    assert run.summary.sessions.completed == 10
+    assert [turn.num_ok for turn in run.summary.turns] == [10, 10, 10]
+    sessions = {}
+    for record in run.records:
+        sessions.setdefault(record.session, {})[record.turn] = record
+    for turns in sessions.values():
+        for turn in (2, 3):
+            previous, record = turns[turn - 1], turns[turn]
+            assert record.scheduled_s == pytest.approx(previous.end_s + 2.0), "sent the think time after the answer"
+            # The conversation so far (the previous prompt and answer) leads the prompt, and is found cached: every
+            # full block of it whose KV was computed (all but the answer's last token's).
+            assert record.shared_prefix_tokens == previous.prompt_tokens + previous.output_tokens
+            assert record.prompt_tokens > record.shared_prefix_tokens
+            assert record.cached_tokens == (record.shared_prefix_tokens - 1) // 16 * 16
+    # Counted with the model's own chat template: the system prompt, the user message and SmolLM2's framing.
+    tokenizer = real_source.load_tokenizer()
+    first = next(r for r in run.records if r.session == 0 and r.turn == 1)
+    plan = plan_run(run.config).sessions
+    messages = [
+        {"role": "system", "content": plan.system_prompt},
+        {"role": "user", "content": plan.sessions[0].user_messages[0]},
+    ]
+    assert first.prompt_tokens == len(tokenizer.apply_chat_template(messages))
+    assert any("chat template and tokenizer of SmolLM2" in note for note in run.advisories)
 
 
 def test_a_profile_fitted_on_the_real_engine_drives_a_simulated_run(tmp_path):

@@ -11,7 +11,15 @@ import random
 import pytest
 
 from engine.core.config import PreemptionMode, SchedulerConfig
-from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, SimulatedEngine, Simulation
+from engine.core.simulator import (
+    FaultWindow,
+    Outcome,
+    SimulatedArrival,
+    SimulatedEngine,
+    SimulatedSession,
+    SimulatedTurn,
+    Simulation,
+)
 from engine.core.step_cost import LinearStepCost, StepShape
 
 COST = LinearStepCost(
@@ -205,3 +213,64 @@ def test_runs_of_decode_steps_in_one_go_decide_and_time_exactly_as_step_by_step(
         assert fast_request.outcome == slow_request.outcome
         assert fast_request.token_times_s == pytest.approx(slow_request.token_times_s, rel=1e-9, abs=1e-9)
     assert len(fast.steps) < len(step_by_step.steps), "some decode runs went in one go"
+
+
+def conversations(count: int, turns: int, think_s: float = 0.5, shared: int = 40, seed: int = 3):
+    rng = random.Random(seed)
+    return [
+        SimulatedSession(
+            index,
+            index * 0.7,
+            tuple(
+                SimulatedTurn(rng.randint(20, 90) + (shared if turn == 0 else 0), rng.randint(5, 40))
+                for turn in range(turns)
+            ),
+            think_s,
+            shared,
+        )
+        for index in range(count)
+    ]
+
+
+def test_a_sessions_next_turn_sends_the_conversation_after_the_answer_and_finds_it_cached():
+    sessions = conversations(6, turns=3)
+    result = Simulation(engine(), sessions=sessions, check_invariants=True).run()
+    assert outcomes(result)[Outcome.OK] == len(result.requests) == 6 * 3
+    by_index = {request.arrival.index: request for request in result.requests}
+    for session in sessions:
+        first = by_index[session.index * 3]
+        assert first.arrival.at_s == session.at_s
+        assert first.arrival.num_prompt_tokens == session.turns[0].num_new_tokens
+        for turn in (1, 2):
+            previous, request = by_index[session.index * 3 + turn - 1], by_index[session.index * 3 + turn]
+            assert request.arrival.at_s == pytest.approx(previous.token_times_s[-1] + session.think_s)
+            conversation = previous.arrival.num_prompt_tokens + previous.arrival.max_tokens
+            assert request.arrival.num_prompt_tokens == conversation + session.turns[turn].num_new_tokens
+            # Every block of the conversation whose KV was computed (all but its last token's) is found cached.
+            assert request.num_cached_tokens == (conversation - 1) // 16 * 16
+    # The system prompt every session shares is cached for all but the first: its full blocks, and no more.
+    later_firsts = [by_index[session.index * 3] for session in sessions[1:]]
+    assert {request.num_cached_tokens for request in later_firsts} == {40 // 16 * 16}
+
+
+def test_a_turn_that_does_not_end_ok_ends_its_session():
+    sessions = conversations(4, turns=4, think_s=0.0)
+    result = Simulation(engine(), sessions=sessions, faults=[FaultWindow("kill", 1.5, 1.6, None)]).run()
+    broken = [r for r in result.requests if r.outcome != Outcome.OK]
+    assert broken, "the kill breaks a turn in flight"
+    for request in broken:
+        session = request.arrival.session
+        later = [r for r in result.requests if r.arrival.session is session and r.arrival.index > request.arrival.index]
+        assert later == [], "no turn after one that did not end ok is sent"
+
+
+def test_sessions_in_runs_of_decode_steps_decide_and_time_exactly_as_step_by_step():
+    sessions = conversations(30, turns=4, think_s=0.2)
+    runs = [Simulation(engine(300), sessions=sessions, fast_forward=on).run() for on in (False, True)]
+    step_by_step, fast = runs
+    assert fast.num_steps == step_by_step.num_steps
+    assert fast.preemptions == step_by_step.preemptions
+    assert [r.arrival.at_s for r in fast.requests] == pytest.approx([r.arrival.at_s for r in step_by_step.requests])
+    for slow_request, fast_request in zip(step_by_step.requests, fast.requests, strict=True):
+        assert fast_request.token_times_s == pytest.approx(slow_request.token_times_s, rel=1e-9, abs=1e-9)
+        assert fast_request.num_cached_tokens == slow_request.num_cached_tokens
