@@ -11,7 +11,9 @@ prefixes every user of the run shares, each with suffixes of its own. Without a 
 (``locust ... ConversationUser``) the run uses the one class that the kind of ``--workload`` calls for (multiturn:
 ConversationUser, shared-prefix: SharedPrefixUser, else StreamingUser); with ``--class-picker`` the web UI ticks
 the classes of each run (none ticked: all three, a third of the users each). Workers keep every class: the master
-names the class of each user it hands them.
+names the class of each user it hands them. ``OpenLoopUser`` (picked when ``--arrival`` is given) sends kvstorm's
+seeded open-loop plan instead, sharded over the workers, and the master merges their records into kvstorm's results
+file and report.
 
 Each request is reported four ways: the POST itself (Locust's own row: time to the response headers; failed when
 the request was rejected or its stream broke), and our request types ``TTFT``, ``ITL`` (one sample per gap between
@@ -35,15 +37,23 @@ import argparse
 import itertools
 import time
 import uuid
+from pathlib import Path
+from typing import NamedTuple
 
 import gevent
 import requests
 from locust import HttpUser, LoadTestShape, constant, events, task
+from locust.exception import StopUser
+from locust.runners import MasterRunner, WorkerRunner
 from urllib3.exceptions import ReadTimeoutError
 
 from loadgen import web_login
 from loadgen.arrivals import Arrival
+from loadgen.merged_run import merged_result
+from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
+from loadgen.report import write_report
+from loadgen.results import RunConfig
 from loadgen.sessions import Conversation, build_sessions
 from loadgen.shapes import make_shape
 from loadgen.spec import parse_duration, parse_spec
@@ -85,6 +95,22 @@ def add_arguments(parser) -> None:
     group.add_argument("--shape", env_var="LOCUST_SHAPE", default="constant", help="constant, onoff:, spike:, step:")
     group.add_argument("--stall-timeout", env_var="LOCUST_STALL_TIMEOUT", default="30s")
     group.add_argument("--request-timeout", env_var="LOCUST_REQUEST_TIMEOUT", default="600s")
+    group.add_argument(
+        "--arrival",
+        env_var="LOCUST_ARRIVAL",
+        default=None,
+        help="OpenLoopUser: kvstorm's open-loop schedule (poisson:rate=20, ...), sharded over the workers; picks "
+        "that class when none is named",
+    )
+    group.add_argument("--num-requests", env_var="LOCUST_NUM_REQUESTS", type=int, default=None)
+    group.add_argument("--duration", env_var="LOCUST_DURATION", default=None, help="the schedule's length (60s)")
+    group.add_argument("--seed", env_var="LOCUST_SEED", type=int, default=0, help="seeds the schedule and prompts")
+    group.add_argument(
+        "--results-dir",
+        env_var="LOCUST_RESULTS_DIR",
+        default="bench-results",
+        help="OpenLoopUser: where the master writes kvstorm's results file and report, merged from every worker",
+    )
     web_login.add_arguments(parser)  # the web UI's login on where compose publishes it beyond loopback
 
 
@@ -102,7 +128,9 @@ def choose_user_class(environment, **_kwargs) -> None:
         return
     kind = parse_spec(options.workload, WORKLOAD_KINDS).kind
     environment.user_classes = [
-        {"multiturn": ConversationUser, "shared-prefix": SharedPrefixUser}.get(kind, StreamingUser)
+        OpenLoopUser
+        if options.arrival
+        else {"multiturn": ConversationUser, "shared-prefix": SharedPrefixUser}.get(kind, StreamingUser)
     ]
 
 
@@ -130,19 +158,20 @@ class BaseStreamUser(HttpUser):
         self.seed = uuid.uuid4().int % (1 << 31)
 
     def stream_request(
-        self, planned: PlannedRequest, *, ttft_name: str, keep_text: bool = False
+        self, planned: PlannedRequest, *, ttft_name: str, keep_text: bool = False, run_start_ts: float | None = None
     ) -> tuple[RequestRecord, str]:
         """Streams ``planned`` and reports it (TTFT under ``ttft_name``; ITL and E2E under the path, once the stream
-        started); returns its record and, with ``keep_text``, the text as it streamed."""
+        started); returns its record and, with ``keep_text``, the text as it streamed. ``run_start_ts``: the zero
+        of an open-loop run, on perf_counter's clock (else its send is its zero, and its schedule is now)."""
         request_id = str(uuid.uuid4())  # a UUID: some servers refuse an X-Request-Id of any other shape
         body = request_body(planned, self.model, exact_output=self.exact_output)
         sent_ts = time.perf_counter()
         tracker = StreamTracker(
             index=planned.index,
             request_id=request_id,
-            scheduled_s=0.0,
+            scheduled_s=planned.offset_s if run_start_ts is not None else 0.0,
             sent_ts=sent_ts,
-            run_start_ts=sent_ts,
+            run_start_ts=sent_ts if run_start_ts is None else run_start_ts,
             requested_output_tokens=planned.max_tokens,
             stall_timeout_s=self.stall_timeout_s,
             collect_text=keep_text,
@@ -275,6 +304,191 @@ class ConversationUser(BaseStreamUser):
                 return
             conversation.add_answer(record, answer)
         self._fire("SESSION", "conversation", time.perf_counter() - started_ts, length=self.plan.num_turns)
+
+
+class OpenLoopUser(BaseStreamUser):
+    """One shard of kvstorm's seeded open-loop plan (``--arrival``, ``--num-requests`` / ``--duration``,
+    ``--workload``, lengths, ``--seed``: the plan ``kvstorm bench serve`` sends): worker i of N sends requests i,
+    i+N, ... at their planned instants from a zero the master sets, each in a greenlet of its own, whatever the
+    others do; with no workers (a local run), one shard. One user per worker runs its worker's shard (run as many
+    users as workers: more users on a worker stop at once). When its shard has ended the worker sends its records
+    to the master, which writes kvstorm's results file and HTML report of the whole run (``--results-dir``) once
+    every shard has sent them, and ends the run."""
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.start = OPEN_LOOP.wait_for_start()
+
+    @task
+    def send_shard(self) -> None:
+        start = self.start
+        if start is None or not OPEN_LOOP.claim_shard():
+            raise StopUser()  # another user of this worker sends its shard (or this worker has none)
+        plan = plan_run(_open_loop_config(self.environment, start.num_shards))
+        plan = plan.shard(start.shard, start.num_shards)
+        # The zero on this process's monotonic clock: the master's wall-clock zero, as far from now as it is here.
+        run_start_ts = time.perf_counter() + (start.start_unix - time.time())
+        streams = []
+        for planned in plan.requests:
+            gevent.sleep(max(0.0, run_start_ts + planned.offset_s - time.perf_counter()))
+            streams.append(
+                gevent.spawn(self.stream_request, planned, ttft_name=planned.path, run_start_ts=run_start_ts)
+            )
+        gevent.joinall(streams)
+        records = [stream.value[0].model_dump(exclude={"tpot_s"}) for stream in streams if stream.successful()]
+        errors = [f"{type(stream.exception).__name__}: {stream.exception}" for stream in streams if stream.exception]
+        message = {"shard": start.shard, "records": records, "errors": errors}
+        self.environment.runner.send_message(RECORDS_MESSAGE, message)
+        raise StopUser()
+
+
+class OpenLoopStart(NamedTuple):
+    """What the master tells each worker at a run's start: its shard, how many there are, and the zero."""
+
+    shard: int
+    num_shards: int
+    run_id: str
+    start_unix: float
+
+
+# The master's message to each worker at a run's start, and each worker's answer when its shard has ended (its
+# records).
+START_MESSAGE, RECORDS_MESSAGE = "kvstorm_open_loop_start", "kvstorm_open_loop_records"
+# From the master's start to the zero: time for every worker to hear of it and plan its shard.
+OPEN_LOOP_START_DELAY_S = 2.0
+
+
+class _OpenLoopRun:
+    """This process's part of the open-loop run in progress. A worker (or a local run): its start and whether a
+    user took its shard. The master (or a local run): the run it started and the records each shard sent."""
+
+    def __init__(self) -> None:
+        self.start: OpenLoopStart | None = None
+        self.shard_taken = False
+        self.run: OpenLoopStart | None = None
+        self.records: dict[int, list[dict]] = {}
+        # Requests whose greenlet raised instead of returning a record (a bug, not an outcome), as the workers said.
+        self.errors: list[str] = []
+        self.written = False
+
+    def wait_for_start(self) -> OpenLoopStart | None:
+        """The start the master sent; None if none came in time (the worker joined after the run started)."""
+        deadline = time.monotonic() + 5 * OPEN_LOOP_START_DELAY_S
+        while self.start is None and time.monotonic() < deadline:
+            gevent.sleep(0.05)
+        return self.start
+
+    def claim_shard(self) -> bool:
+        """True for the first user of this process to ask (gevent: no other greenlet runs in between)."""
+        claimed, self.shard_taken = not self.shard_taken, True
+        return claimed
+
+
+OPEN_LOOP = _OpenLoopRun()
+
+
+def _open_loop_config(environment, num_shards: int = 1) -> RunConfig:
+    """The run as ``kvstorm bench serve`` would be configured for it (the host the web UI may change included)."""
+    options = environment.parsed_options
+    return RunConfig(
+        base_url=environment.host or "",
+        model=options.model,
+        arrival=options.arrival,
+        workload=options.workload,
+        input_len=options.input_len,
+        output_len=options.output_len,
+        num_requests=options.num_requests,
+        duration_s=parse_duration(options.duration) if options.duration else None,
+        max_concurrency=None,
+        request_timeout_s=parse_duration(options.request_timeout),
+        stall_timeout_s=parse_duration(options.stall_timeout),
+        exact_output=options.exact_output == "true",
+        seed=options.seed,
+        slo=None,
+        workers=num_shards,
+    )
+
+
+@events.init.add_listener
+def check_open_loop(environment, **_kwargs) -> None:
+    """Listen for the open-loop run's messages (a worker hears of --arrival only from the master, when its users
+    spawn), and refuse what the open-loop user cannot send before anything starts."""
+    if environment.runner is not None:
+        environment.runner.register_message(START_MESSAGE, _on_start_message)
+        environment.runner.register_message(RECORDS_MESSAGE, _on_records_message)
+    options = environment.parsed_options
+    if options is None or options.worker:
+        return
+    if not options.arrival:
+        if "OpenLoopUser" in options.user_classes:
+            raise SystemExit("OpenLoopUser sends the schedule of --arrival: give one")
+        if environment.available_user_classes:  # the web UI's class picker offers it for an open-loop run only
+            environment.available_user_classes.pop("OpenLoopUser", None)
+        return
+    if is_session_workload(options.workload):
+        raise SystemExit("--arrival sends single requests: multi-turn sessions are ConversationUser's")
+    plan_run(_open_loop_config(environment))  # a bad schedule or workload fails here, with its error
+
+
+@events.test_start.add_listener
+def start_open_loop(environment, **_kwargs) -> None:
+    """The master (or a local run) gives each worker its shard and the zero, before any user starts."""
+    runner = environment.runner
+    if environment.parsed_options is None or not environment.parsed_options.arrival:
+        return
+    if isinstance(runner, WorkerRunner):
+        return
+    OPEN_LOOP.records.clear()
+    OPEN_LOOP.errors.clear()
+    OPEN_LOOP.written = False
+    run_id, start_unix = uuid.uuid4().hex[:8], time.time() + OPEN_LOOP_START_DELAY_S
+    if not isinstance(runner, MasterRunner):
+        OPEN_LOOP.run = OPEN_LOOP.start = OpenLoopStart(0, 1, run_id, start_unix)
+        OPEN_LOOP.shard_taken = False
+        return
+    workers = sorted(node.id for node in (*runner.clients.ready, *runner.clients.spawning, *runner.clients.running))
+    OPEN_LOOP.run = OpenLoopStart(-1, len(workers), run_id, start_unix)
+    for shard, client_id in enumerate(workers):
+        runner.send_message(START_MESSAGE, OpenLoopStart(shard, len(workers), run_id, start_unix)._asdict(), client_id)
+
+
+def _on_start_message(environment, msg, **_kwargs) -> None:
+    OPEN_LOOP.start, OPEN_LOOP.shard_taken = OpenLoopStart(**msg.data), False
+
+
+def _on_records_message(environment, msg, **_kwargs) -> None:
+    run = OPEN_LOOP.run
+    if run is None:
+        return
+    OPEN_LOOP.records[msg.data["shard"]] = msg.data["records"]
+    OPEN_LOOP.errors += msg.data["errors"]
+    print(f"kvstorm: shard {msg.data['shard']} of {run.num_shards} sent {len(msg.data['records'])} records", flush=True)
+    if len(OPEN_LOOP.records) == run.num_shards:
+        _write_open_loop_results(environment)
+        gevent.spawn_later(0.5, environment.runner.quit)
+
+
+@events.quitting.add_listener
+def write_what_arrived(environment, **_kwargs) -> None:
+    """A run stopped before every shard sent its records (-t, the web UI's stop) still gets its results, which say
+    which shards are missing."""
+    if OPEN_LOOP.run is not None and OPEN_LOOP.records and not OPEN_LOOP.written:
+        _write_open_loop_results(environment)
+
+
+def _write_open_loop_results(environment) -> None:
+    run, options = OPEN_LOOP.run, environment.parsed_options
+    config = _open_loop_config(environment, run.num_shards)
+    result = merged_result(config, run.run_id, run.start_unix, OPEN_LOOP.records, run.num_shards, OPEN_LOOP.errors)
+    stem = Path(options.results_dir) / f"locust-{time.strftime('%Y%m%d-%H%M%S')}-{run.run_id}"
+    result.write(stem.with_suffix(".json"))
+    write_report(result, stem.with_suffix(".html"), title=f"kvstorm open loop over Locust {run.run_id}")
+    OPEN_LOOP.written = True
+    print(
+        f"kvstorm: {len(result.records)} requests from {len(OPEN_LOOP.records)} of {run.num_shards} shards; "
+        f"results: {stem.with_suffix('.json')}, report: {stem.with_suffix('.html')}",
+        flush=True,
+    )
 
 
 class KvstormShape(LoadTestShape):

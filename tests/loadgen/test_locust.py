@@ -15,7 +15,9 @@ import urllib.request
 from pathlib import Path
 
 from chaos.injectors.processes import free_port
+from loadgen.plan import plan_run
 from loadgen.records import Outcome
+from loadgen.results import RunResult
 from loadgen.scripted_server import EXPECTED_OUTCOME
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
 
@@ -219,3 +221,43 @@ def _wait_for(condition, timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.2)
+
+
+def test_an_open_loop_plan_sharded_over_two_workers_comes_back_as_one_run(tmp_path):
+    port = free_port()
+    results = tmp_path / "results"
+    with scripted_server() as server:
+        master = locust(
+            *OPTIONS, "--host", server.base_url, "--arrival", "poisson:rate=30", "--num-requests", "60",
+            "--workload", "random", "--input-len", "fixed:32", "-u", "2", "-r", "2", "-t", "60s", "--master",
+            "--master-bind-host", "127.0.0.1", "--master-bind-port", str(port), "--expect-workers", "2",
+            "--results-dir", str(results), cwd=tmp_path,
+        )  # fmt: skip
+        workers = [
+            locust("--worker", "--master-host", "127.0.0.1", "--master-port", str(port), cwd=tmp_path) for _ in range(2)
+        ]
+        try:
+            output, _ = master.communicate(timeout=90)
+            for worker in workers:
+                worker.communicate(timeout=30)
+        finally:
+            for process in (master, *workers):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    assert master.returncode == 0, output
+    # Each worker sent its own half of the plan (requests i mod 2), and the master merged them into one run.
+    assert "shard 0 of 2 sent 30 records" in output
+    assert "shard 1 of 2 sent 30 records" in output
+    run = RunResult.read(next(results.glob("locust-*.json")))
+    planned = plan_run(run.config).requests
+    assert [r.index for r in run.records] == [p.index for p in planned]
+    assert [r.scheduled_s for r in run.records] == [p.offset_s for p in planned]
+    assert run.config.workers == 2
+    assert run.config.arrival == "poisson:rate=30"
+    assert all(r.outcome is Outcome.OK for r in run.records)
+    assert all(r.sent_s >= r.scheduled_s - 0.001 for r in run.records), "none sent before its planned instant"
+    assert 0.14 <= run.summary.ttft.p50 <= 0.25  # scripted 150 ms
+    assert 0.015 <= run.summary.itl.p50 <= 0.04  # scripted 20 ms
+    assert "Locust workers" in run.advisories[0]
+    assert next(results.glob("locust-*.json")).with_suffix(".html").is_file()
