@@ -44,6 +44,7 @@ BENCHMARKS = {
         "run_bench_prefix_caching",
     ),
     "traces": ("kvstorm.bench.traces", "add_bench_traces_parser", "run_bench_traces"),
+    "cpu-speed": ("kvstorm.bench.cpu_speed", "add_bench_cpu_speed_parser", "run_bench_cpu_speed"),
     "simulator": ("kvstorm.bench.simulator", "add_bench_simulator_parser", "run_bench_simulator"),
     "what-if": ("kvstorm.bench.what_if", "add_bench_what_if_parser", "run_bench_what_if"),
     "simulator-speed": (

@@ -41,7 +41,7 @@ from engine.core.preemption import PreemptionPolicy
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
 
-by_remaining_outputs = attrgetter("num_remaining_outputs")
+_remaining_outputs = attrgetter("num_remaining_outputs")
 
 # What a step of a prefill-only batch of this many tokens costs is the preemption policy's first estimate of
 # recompute (the engine measures the same at start-up).
@@ -261,7 +261,7 @@ class Simulation:
         # With sessions, a step that ends a turn ends ``advance_until`` too: the next turn may arrive before whatever
         # the caller waits for.
         self.has_sessions = False
-        self.answered_turns: list[SimulatedRequest] = []
+        self.answered_turns: list[tuple[SimulatedRequest, SimulatedSession]] = []
         self.add_load(arrivals, sessions)
         self.request_timeout_s = request_timeout_s
         self.keep_steps = keep_steps
@@ -300,9 +300,7 @@ class Simulation:
         while True:
             self.advance_until(pending[0][0] if pending else math.inf)
             if self.answered_turns:
-                for answered in self.answered_turns:
-                    session = answered.arrival.session
-                    assert session is not None
+                for answered, session in self.answered_turns:
                     follow_up = session.next_arrival(
                         answered, self.engine.block_size, self.engine.enable_prefix_caching
                     )
@@ -400,7 +398,7 @@ class Simulation:
                 return 0.0
             context += request.num_computed_tokens
         # Requests by the step in which they get their last token.
-        rows = sorted(running, key=by_remaining_outputs)
+        rows = sorted(running, key=_remaining_outputs)
         max_steps = self._steps_with_blocks(rows[-1].num_remaining_outputs)
         if max_steps < 2:
             return 0.0
@@ -548,8 +546,8 @@ class Simulation:
 
     def _end(self, request: SimulatedRequest, outcome: str, error: str = "") -> None:
         request.outcome, request.error = outcome, error
-        if outcome == Outcome.OK and request.arrival.session is not None:
-            self.answered_turns.append(request)
+        if outcome == Outcome.OK and (session := request.arrival.session) is not None:
+            self.answered_turns.append((request, session))
 
     # ---- faults -------------------------------------------------------------------------------
 

