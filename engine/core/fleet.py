@@ -9,10 +9,12 @@ replica runs up to that instant, so the router sees them as they are then, and t
   same prefix cache (least-outstanding for a prompt shorter than a block).
 
 A replica that is down (killed) refuses what it is sent, as a load balancer without health checks would let happen.
+Each turn of a multi-turn session is routed on its own, when it arrives (no session stickiness).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -67,24 +69,51 @@ class Fleet:
     def run(
         self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession] = ()
     ) -> list[SimulatedRequest]:
-        """Every request, each in the order of arrival, as its client saw it. Sessions (multi-turn) run on one
-        replica only: this fleet moves every replica up to each arrival it knows of beforehand, and a turn becomes
-        known only when the answer before it ends."""
+        """Every request, each in the order of arrival, as its client saw it."""
         if sessions:
-            if len(self.replicas) > 1:
-                raise ValueError("multi-turn sessions are simulated on one engine, not on a fleet of replicas yet")
-            self.replicas[0].add_load(arrivals, sessions)
-            return self._in_order(self.replicas[0].run().requests)
-        for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
-            for replica in self.replicas:
-                replica.advance_until(arrival.at_s)
-            chosen = self._route(arrival)
-            self.assignment[arrival.index] = chosen
-            self.replicas[chosen].submit(SimulatedRequest(arrival))
+            self._run_with_sessions(arrivals, sessions)
+        else:
+            for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
+                for replica in self.replicas:
+                    replica.advance_until(arrival.at_s)
+                self._submit(arrival)
         for replica in self.replicas:
             replica.advance_until(math.inf)
             replica.finish()
         return self._in_order([request for replica in self.replicas for request in replica.result.requests])
+
+    def _run_with_sessions(self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession]) -> None:
+        """A session's next turn is known only when the answer before it ends, on whichever replica: the replicas
+        move in rounds, none past the earliest instant a next turn could arrive (a busy replica's clock, plus the
+        token's way to its client and the think time), and each stops at a step that answered a turn. An arrival
+        is routed once every replica has reached it (each, as for any arrival, may be up to a step past it)."""
+        engine = self.replicas[0].engine
+        for replica in self.replicas:
+            replica.has_sessions = True
+        first_turns = [session.first_arrival(engine.block_size, engine.enable_prefix_caching) for session in sessions]
+        pending = [(arrival.at_s, arrival.index, arrival) for arrival in (*arrivals, *first_turns)]
+        heapq.heapify(pending)
+        gap_s = engine.token_latency_s + min(session.think_s for session in sessions)
+        while True:
+            until_s = pending[0][0] if pending else math.inf
+            busy_since = [r.t for r in self.replicas if r.scheduler.has_unfinished_requests()]
+            if not busy_since and until_s == math.inf:
+                return
+            horizon_s = until_s
+            if busy_since:  # at least one step of the replica furthest behind, so that the rounds move on
+                earliest = min(busy_since)
+                horizon_s = min(until_s, max(earliest + gap_s, math.nextafter(earliest, math.inf)))
+            for replica in self.replicas:
+                replica.advance_until(horizon_s)
+                for follow_up in replica.take_follow_ups():
+                    heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
+            while pending and all(replica.t >= pending[0][0] for replica in self.replicas):
+                self._submit(heapq.heappop(pending)[2])
+
+    def _submit(self, arrival: SimulatedArrival) -> None:
+        chosen = self._route(arrival)
+        self.assignment[arrival.index] = chosen
+        self.replicas[chosen].submit(SimulatedRequest(arrival))
 
     @staticmethod
     def _in_order(requests: list[SimulatedRequest]) -> list[SimulatedRequest]:

@@ -300,17 +300,22 @@ class Simulation:
         while True:
             self.advance_until(pending[0][0] if pending else math.inf)
             if self.answered_turns:
-                for answered, session in self.answered_turns:
-                    follow_up = session.next_arrival(
-                        answered, self.engine.block_size, self.engine.enable_prefix_caching
-                    )
-                    if follow_up is not None:
-                        heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
-                self.answered_turns.clear()
+                for follow_up in self.take_follow_ups():
+                    heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
                 continue
             if not pending:
                 return self.finish()
             self.submit(SimulatedRequest(heapq.heappop(pending)[2]))
+
+    def take_follow_ups(self) -> list[SimulatedArrival]:
+        """The next turns of the sessions whose turns were answered since the last call."""
+        engine = self.engine
+        follow_ups = [
+            session.next_arrival(answered, engine.block_size, engine.enable_prefix_caching)
+            for answered, session in self.answered_turns
+        ]
+        self.answered_turns.clear()
+        return [follow_up for follow_up in follow_ups if follow_up is not None]
 
     def advance_until(self, until_s: float) -> None:
         """Run steps until the clock reaches ``until_s`` (the step in progress may end after it), crossing the fault

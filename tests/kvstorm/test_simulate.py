@@ -88,7 +88,6 @@ def test_the_same_seed_simulates_the_same_run(tmp_path):
         (("--fault", "1s-2s step_delay=forever"), "fault '1s-2s step_delay=forever'"),
         (("--fault", "soon kill"), "not a fault window"),
         (("--workload", "chat"), "token ids"),
-        (("--workload", "multiturn:turns=2,system_len=100", "--replicas", "2"), "not on a fleet"),
         (("--workload", "multiturn:turns=2,system_len=100", "--tokenizer", "/no/such.gguf"), "no such file"),
         (("--profile", "no-such-profile"), "no profile"),
         (("--replicas", "4", "--fault", "1s-2s@9 kill"), "not among 0-3"),

@@ -3,6 +3,7 @@ they say, and a fault hits only the replicas it names."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from engine.core.block_hash import extend_block_hashes
 from engine.core.fleet import Fleet
 from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, Simulation
-from tests.engine.core.test_simulator import engine, poisson
+from tests.engine.core.test_simulator import conversations, engine, poisson
 
 
 def test_a_fleet_of_one_is_the_plain_simulation():
@@ -87,3 +88,35 @@ def test_prefix_affinity_sends_a_shared_prefix_to_one_replica_and_its_cache_serv
 def test_a_fleet_that_cannot_be_built_says_why(replicas, router, faults, message):
     with pytest.raises(ValueError, match=message):
         Fleet(engine(), replicas, router, faults)
+
+
+def test_a_fleet_of_one_runs_sessions_as_the_plain_simulation():
+    sessions = conversations(12, turns=3, think_s=0.3)
+    alone = Simulation(engine(300), sessions=sessions).run()
+    fleet = Fleet(engine(300), 1, "round-robin")
+    requests = fleet.run([], sessions)
+    assert [r.arrival.at_s for r in requests] == pytest.approx([r.arrival.at_s for r in alone.requests])
+    for fleet_request, alone_request in zip(requests, alone.requests, strict=True):
+        assert fleet_request.token_times_s == pytest.approx(alone_request.token_times_s, rel=1e-9, abs=1e-9)
+        assert fleet_request.num_cached_tokens == alone_request.num_cached_tokens
+
+
+@pytest.mark.parametrize("think_s", [0.0, 0.4])
+def test_a_fleet_sends_each_turn_after_its_answer_whichever_replica_answered(think_s):
+    sessions = conversations(20, turns=3, think_s=think_s)
+    fleet = Fleet(engine(), 4, "least-outstanding")
+    singles = [
+        dataclasses.replace(arrival, index=1000 + arrival.index)  # indices of their own beside the sessions'
+        for arrival in poisson(30, rate=4, prompt=(16, 200), output=(4, 40), seed=9)
+    ]
+    requests = fleet.run(singles, sessions)
+    assert all(r.outcome == Outcome.OK for r in requests)
+    assert len(requests) == 30 + 20 * 3
+    by_index = {r.arrival.index: r for r in requests if r.arrival.session is not None}
+    for session in sessions:
+        for turn in (1, 2):
+            previous, request = by_index[session.index * 3 + turn - 1], by_index[session.index * 3 + turn]
+            assert request.arrival.at_s == pytest.approx(previous.token_times_s[-1] + think_s)
+            # Routed when it arrived: the replica it went to had not run past that instant by more than a step.
+            assert request.token_times_s[0] > request.arrival.at_s
+    assert len(set(fleet.assignment.values())) == 4, "least-outstanding spread the turns over the replicas"
