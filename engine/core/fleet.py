@@ -6,10 +6,13 @@ replica runs up to that instant, so the router sees them as they are then, and t
 - ``round-robin``: replica i mod N for the i-th request;
 - ``least-outstanding``: the one with the fewest unfinished requests (the lowest index on a tie);
 - ``prefix-affinity``: the replica its prompt's first block hashes to, so that requests sharing a prefix meet the
-  same prefix cache (least-outstanding for a prompt shorter than a block).
+  same prefix cache (least-outstanding for a prompt shorter than a block);
+- ``session-affinity``: every turn of a multi-turn session to the replica its first turn went to (least-outstanding
+  then, and for single requests), as a balancer with sticky sessions, so that a turn meets the cache of the one
+  before it.
 
 A replica that is down (killed) refuses what it is sent, as a load balancer without health checks would let happen.
-Each turn of a multi-turn session is routed on its own, when it arrives (no session stickiness).
+Other than with ``session-affinity``, each turn of a multi-turn session is routed on its own, when it arrives.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from engine.core.simulator import (
     SimulationResult,
 )
 
-ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity")
+ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity", "session-affinity")
 
 
 class Fleet:
@@ -61,6 +64,7 @@ class Fleet:
             "round-robin": self._round_robin,
             "least-outstanding": self._least_outstanding,
             "prefix-affinity": self._prefix_affinity,
+            "session-affinity": self._session_affinity,
         }[router]
         self._turns = itertools.cycle(range(num_replicas))
         # Which replica each request went to, by its index.
@@ -142,3 +146,10 @@ class Fleet:
         if not arrival.block_hashes:
             return self._least_outstanding(arrival)
         return int.from_bytes(arrival.block_hashes[0][:8], "big") % len(self.replicas)
+
+    def _session_affinity(self, arrival: SimulatedArrival) -> int:
+        session = arrival.session
+        if session is None:
+            return self._least_outstanding(arrival)
+        first_turn = session.index * len(session.turns)
+        return self.assignment.get(first_turn, self._least_outstanding(arrival))

@@ -120,3 +120,24 @@ def test_a_fleet_sends_each_turn_after_its_answer_whichever_replica_answered(thi
             # Routed when it arrived: the replica it went to had not run past that instant by more than a step.
             assert request.token_times_s[0] > request.arrival.at_s
     assert len(set(fleet.assignment.values())) == 4, "least-outstanding spread the turns over the replicas"
+
+
+def test_session_affinity_keeps_a_conversation_on_one_replica_and_its_cache():
+    sessions = conversations(24, turns=4, think_s=0.3)
+    runs = {}
+    for router in ("least-outstanding", "session-affinity"):
+        fleet = Fleet(engine(), 4, router)
+        requests = fleet.run([], sessions)
+        assert all(r.outcome == Outcome.OK for r in requests)
+        runs[router] = (fleet, requests)
+    sticky, requests = runs["session-affinity"]
+    for session in sessions:
+        replicas = {sticky.assignment[session.index * 4 + turn] for turn in range(4)}
+        assert len(replicas) == 1, "every turn where the first went"
+    assert len(set(sticky.assignment.values())) == 4
+
+    def cached(requests) -> int:
+        return sum(r.num_cached_tokens for r in requests if r.arrival.index % 4)
+
+    # Later turns find the conversation before them; scattered over the replicas, they mostly do not.
+    assert cached(runs["session-affinity"][1]) > 1.5 * cached(runs["least-outstanding"][1])
