@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from chaos.injectors.processes import kvstorm_server
 from engine.model.registry import native_bfloat16_cpu_feature
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind, cpu_name, vllm_server
+from kvstorm.bench.peer import cpu_flags, cpu_kind, cpu_name, vllm_server
+from kvstorm.simulate.run import open_loop_load
 from loadgen.analysis import Summary
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
-from loadgen.results import RunConfig
 from loadgen.runner import run_event_loop
 
 KVSTORM_ARGS = "--dtype auto --num-kv-blocks 4096 --swap-space 1GiB --ttft-slo off --served-model-name smollm2"
@@ -85,20 +85,8 @@ def _dtype_of(server_args: str) -> str:
 def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:
     summaries = {}
     for workload, (arrival, num_requests, duration_s) in WORKLOADS.items():
-        config = RunConfig(
-            base_url=url,
-            model="smollm2",
-            arrival=arrival,
-            workload="random",
-            num_requests=num_requests,
-            duration_s=duration_s,
-            max_concurrency=None,
-            request_timeout_s=900.0,
-            stall_timeout_s=120.0,
-            exact_output=True,
-            seed=0,
-            slo=None,
-            **LENGTHS,
+        config = open_loop_load(
+            url, "smollm2", arrival, **LENGTHS, num_requests=num_requests, duration_s=duration_s, seed=0
         )
         result = run_event_loop(run_benchmark(config, extra_body={"temperature": 0}, show_progress=False))
         if result.summary.outcomes[Outcome.OK] != len(result.records):
@@ -108,11 +96,7 @@ def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "unknown"
+    flags = cpu_flags()
     return ", ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
 
 
