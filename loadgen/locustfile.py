@@ -458,7 +458,7 @@ def _on_start_message(environment, msg, **_kwargs) -> None:
 
 def _on_records_message(environment, msg, **_kwargs) -> None:
     run = OPEN_LOOP.run
-    if run is None:
+    if run is None or msg.data["shard"] not in range(run.num_shards):  # not a shard of this run: a late or stray one
         return
     OPEN_LOOP.records[msg.data["shard"]] = msg.data["records"]
     OPEN_LOOP.errors += msg.data["errors"]

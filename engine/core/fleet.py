@@ -151,5 +151,4 @@ class Fleet:
         session = arrival.session
         if session is None:
             return self._least_outstanding(arrival)
-        first_turn = session.index * len(session.turns)
-        return self.assignment.get(first_turn, self._least_outstanding(arrival))
+        return self.assignment.get(session.request_index(0), self._least_outstanding(arrival))

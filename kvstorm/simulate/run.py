@@ -154,7 +154,7 @@ def _record(request: SimulatedRequest, shared: dict[int, int]) -> RequestRecord:
     session, turn = None, None
     shared_prefix_tokens = shared.get(arrival.index, 0)
     if arrival.session is not None:
-        session, turn = arrival.session.index, arrival.index - arrival.session.index * len(arrival.session.turns) + 1
+        session, turn = arrival.session.index, arrival.session.turn_of(arrival) + 1
         if turn > 1:
             shared_prefix_tokens = arrival.num_prompt_tokens - arrival.session.turns[turn - 1].num_new_tokens
     outcome = Outcome(request.outcome)
