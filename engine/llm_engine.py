@@ -22,12 +22,12 @@ from engine.core.config import EngineConfig
 from engine.core.interface import InvalidRequest, Prompt
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import (
+    PROBE_PROMPT_TOKENS,
     EngineInfo,
     EngineSnapshot,
     FinishReason,
     PreemptionEvent,
     PreparedRequest,
-    RemainingWork,
     RequestOutput,
     RequestSnapshot,
     SchedulerOutput,
@@ -46,7 +46,7 @@ from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import describe_dtype_choice, resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.model_runner import PROBE_PROMPT_TOKENS, ModelRunner
+from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -320,19 +320,7 @@ class LLMEngine:
                 )
                 for r in self.scheduler.requests.values()
             )
-        kv = self.kv_cache_manager
-        return EngineSnapshot(
-            stats=self.scheduler.stats(),
-            prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
-            copy_bytes_per_s=self.preemption_policy.copy_bytes_per_s,
-            active_faults=self.faults.active(),
-            last_step=self.last_step,
-            running_work=_remaining_work(self.scheduler.running, kv.device_tables, kv, on_device=True),
-            swapped_work=_remaining_work(self.scheduler.swapped, kv.host_tables, kv),
-            waiting_work=_remaining_work(self.scheduler.waiting, {}, kv),
-            requests=requests,
-            evictable_block_hashes=kv.device_pool.evictable_hashes() if kv.enable_prefix_caching else (),
-        )
+        return self.scheduler.snapshot(self.faults.active(), self.last_step, requests)
 
     # ---- finishing: the one place --------------------------------------------------------
 
@@ -538,21 +526,3 @@ class LLM:
             )
             for r in requests
         ]
-
-
-def _remaining_work(
-    requests: list[Request], block_tables: dict[str, list[int]], kv: KVCacheManager, on_device: bool = False
-) -> tuple[RemainingWork, ...]:
-    caching = kv.enable_prefix_caching
-    return tuple(
-        RemainingWork(
-            num_tokens=r.num_tokens,
-            num_computed_tokens=r.num_computed_tokens,
-            num_remaining_outputs=r.sampling_params.max_tokens - r.num_output_tokens,
-            place_in_line_ts=r.place_in_line_ts,
-            num_blocks=len(block_tables.get(r.request_id, ())),
-            block_hashes=tuple(r.block_hashes) if caching else (),
-            table_hashes=kv.table_hashes(r.request_id) if caching and on_device else (),
-        )
-        for r in requests
-    )

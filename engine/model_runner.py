@@ -14,7 +14,15 @@ import torch
 from engine.attention.backend import AttentionMetadata, int64_tensor
 from engine.attention.kv_cache import PagedKVCache, kv_cache_bytes_per_block, move_blocks
 from engine.core.kv_cache_manager import num_blocks_for
-from engine.core.outputs import ExecuteResult, ScheduledRequest, SchedulerOutput, StepCosts, TokenLogprobs
+from engine.core.outputs import (
+    PROBE_DECODE_ROWS,
+    PROBE_PROMPT_TOKENS,
+    ExecuteResult,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepCosts,
+    TokenLogprobs,
+)
 from engine.faults import EngineFaults
 from engine.host_memory import keep_freed_host_memory
 from engine.model.llama import LlamaForCausalLM
@@ -22,9 +30,6 @@ from engine.model.packed_linear import describe_packed_matmuls, packing_applies,
 from engine.sampling import argmax_rows, compute_logprobs, make_generator, sample
 from kernels.cpu_argmax import argmax_rows_cpu
 from kernels.cpu_extension import cpu_kernels_apply, cpu_kernels_available
-
-# The prompt a start-up step probe computes (ModelRunner.measure_step_costs).
-PROBE_PROMPT_TOKENS = 128
 
 
 class ModelRunner:
@@ -150,7 +155,9 @@ class ModelRunner:
         bytes_per_block = kv_cache_bytes_per_block(self.model.config, self.block_size, self.device_cache.data.dtype)
         return num_blocks * bytes_per_block / max(time.perf_counter() - start, 1e-9)
 
-    def measure_step_costs(self, num_prompt_tokens: int = PROBE_PROMPT_TOKENS, num_decode_rows: int = 8) -> StepCosts:
+    def measure_step_costs(
+        self, num_prompt_tokens: int = PROBE_PROMPT_TOKENS, num_decode_rows: int = PROBE_DECODE_ROWS
+    ) -> StepCosts:
         """A step's fixed cost and its costs per prompt token and per decode row, from the fastest of a few steps of
         each kind: a prefill of ``num_prompt_tokens``, a decode of one row and one of ``num_decode_rows`` (writes
         only blocks no request owns yet)."""
@@ -168,10 +175,7 @@ class ModelRunner:
         prefill_s = self._fastest_step_s(prefill)
         one_decode_s = self._fastest_step_s(decodes[:1])
         decodes_s = self._fastest_step_s(decodes)
-        per_decode_s = max((decodes_s - one_decode_s) / (num_decode_rows - 1), 0.0)
-        per_step_s = max(one_decode_s - per_decode_s, 0.0)
-        per_prompt_token_s = max(prefill_s - per_step_s, 0.0) / num_prompt_tokens or prefill_s / num_prompt_tokens
-        return StepCosts(per_step_s, per_prompt_token_s, per_decode_s)
+        return StepCosts.from_probes(prefill_s, num_prompt_tokens, one_decode_s, decodes_s, num_decode_rows)
 
     def _fastest_step_s(self, chunks: list[ScheduledRequest], repeats: int = 3) -> float:
         self.forward(chunks, positions_to_keep=[True] * len(chunks))  # warm-up

@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.attention.selector import BACKENDS
+from engine.core.admission import AdmissionLimits
 from engine.core.config import (
     INVARIANT_ROWS,
     MATMUL_KERNELS,
@@ -22,16 +23,11 @@ from engine.core.config import (
 )
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.server import ASYNC_ENGINE, ServerConfig, create_app, drain, start_server
+from kvstorm.admission_options import add_admission_arguments, admission_limits, describe_admission
 from kvstorm.exposure import committed_token_refusal
-from loadgen.spec import parse_duration
-
-# Admission's default TTFT objective: twice the bundled CPU profile's TTFT SLO (5 s), and about as long as
-# a person waits for a first word before giving up; see README ("Admission control").
-DEFAULT_TTFT_SLO_S = 10.0
 
 ADMIN_TOKEN_ENV = "KVSTORM_ADMIN_TOKEN"
 
@@ -233,40 +229,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=(),
         help="extra latency bucket boundaries in seconds, comma-separated (e.g. SLO thresholds)",
     )
-    _add_admission_arguments(parser)
-    parser.set_defaults(handler=run_serve)
-
-
-def _add_admission_arguments(parser: argparse.ArgumentParser) -> None:
-    admission = parser.add_argument_group(
-        "admission (a 429 with Retry-After before a request starts) and back-pressure"
-    )
-    admission.add_argument(
-        "--ttft-slo",
-        type=_objective,
-        default=DEFAULT_TTFT_SLO_S,
-        help="admit a request only if its first token is predicted within this (e.g. 5s, 800ms; 'off' admits all; "
-        f"default {DEFAULT_TTFT_SLO_S:g}s, see README)",
-    )
-    admission.add_argument(
-        "--tpot-slo",
-        type=_objective,
-        default=None,
-        help="admit a request only if the time per output token is predicted within this (e.g. 200ms; default off)",
-    )
-    admission.add_argument("--max-waiting", type=int, default=None, help="hard limit: 429 when this many requests wait")
-    admission.add_argument(
-        "--max-queue-delay",
-        type=float,
-        default=None,
-        help="hard limit: 429 when the predicted time before a request's first step exceeds this (s)",
-    )
-    admission.add_argument(
+    add_admission_arguments(parser).add_argument(
         "--max-buffered-outputs",
         type=int,
         default=AdmissionLimits().max_buffered_outputs,
         help="a stream whose client leaves this many outputs unread is aborted",
     )
+    parser.set_defaults(handler=run_serve)
 
 
 def _float_list(text: str) -> tuple[float, ...]:
@@ -291,13 +260,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_connections=args.max_connections,
         max_sequences=args.max_sequences_per_request,
     )
-    limits = AdmissionLimits(
-        ttft_slo_s=args.ttft_slo,
-        tpot_slo_s=args.tpot_slo,
-        max_waiting=args.max_waiting,
-        max_queue_delay_s=args.max_queue_delay,
-        max_buffered_outputs=args.max_buffered_outputs,
-    )
+    limits = admission_limits(args, max_buffered_outputs=args.max_buffered_outputs)
     engine = _load_off_the_main_thread(engine_config_from_args(args))
     info = engine.info
     print(
@@ -307,7 +270,7 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    print(f"kvstorm serve: admission {_describe_admission(limits)}", file=sys.stderr, flush=True)
+    print(f"kvstorm serve: admission {describe_admission(limits)}", file=sys.stderr, flush=True)
     metrics = EngineMetrics(config.served_model_name, args.histogram_buckets)
     app = create_app(AsyncEngine(engine, metrics, limits), config)
     asyncio.run(_serve_until_signalled(app, args.host, args.port, args.drain_timeout))
@@ -349,35 +312,3 @@ async def _serve_until_signalled(app, host: str, port: int, drain_timeout_s: flo
         print(f"kvstorm serve: stopping; {left} streams still in flight end now", file=sys.stderr, flush=True)
     finally:
         await runner.cleanup()
-
-
-def _objective(text: str) -> float | None:
-    """A duration ('5s', '800ms', '2.5'), or 'off' for none."""
-    if text.strip().lower() in ("off", "none", "0"):
-        return None
-    try:
-        return parse_duration(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _describe_admission(limits: AdmissionLimits) -> str:
-    rules = [
-        f"{name} {value:g} s"
-        for name, value in (
-            ("TTFT objective", limits.ttft_slo_s),
-            ("TPOT objective", limits.tpot_slo_s),
-            ("queue time at most", limits.max_queue_delay_s),
-        )
-        if value is not None
-    ]
-    if limits.max_waiting is not None:
-        rules.append(f"at most {limits.max_waiting} waiting")
-    if not rules:
-        return "off: every request that fits is admitted"
-    batch = (
-        ""
-        if limits.ttft_slo_s is None
-        else "; an offline batch sent all at once is mostly refused: start with --ttft-slo off to queue it all"
-    )
-    return f"on: a request that would miss these is refused with 429 and Retry-After ({', '.join(rules)}){batch}"

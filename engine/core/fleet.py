@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 
+from engine.core.admission import AdmissionLimits
 from engine.core.simulator import (
     FaultWindow,
     SimulatedArrival,
@@ -43,8 +44,9 @@ class Fleet:
         router: str,
         faults: Sequence[tuple[FaultWindow, Sequence[int]]] = (),
         request_timeout_s: float = 600.0,
+        admission: AdmissionLimits | None = None,
     ) -> None:
-        """``faults``: each window with the replicas it hits."""
+        """``faults``: each window with the replicas it hits; ``admission``: every replica's limits."""
         if num_replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
         if router not in ROUTERS:
@@ -57,6 +59,7 @@ class Fleet:
                 engine,
                 faults=[window for window, hit in faults if index in hit],
                 request_timeout_s=request_timeout_s,
+                admission=admission,
             )
             for index in range(num_replicas)
         ]

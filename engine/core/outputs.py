@@ -245,6 +245,12 @@ class RemainingWork(NamedTuple):
     table_hashes: tuple[BlockHash | None, ...] = ()
 
 
+# The steps the engine measures at start-up (``ModelRunner.measure_step_costs``): a prompt of this many tokens, a
+# decode of one row and one of this many.
+PROBE_PROMPT_TOKENS = 128
+PROBE_DECODE_ROWS = 8
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """One engine step's time as measured at start-up: a fixed cost per step, plus a cost per prompt token, plus a
@@ -255,6 +261,17 @@ class StepCosts:
     per_step_s: float
     per_prompt_token_s: float
     per_decode_s: float
+
+    @classmethod
+    def from_probes(
+        cls, prefill_s: float, num_prompt_tokens: int, one_decode_s: float, decodes_s: float, num_decode_rows: int
+    ) -> StepCosts:
+        """From three steps' times: a prefill of ``num_prompt_tokens``, a decode of one row and one of
+        ``num_decode_rows``."""
+        per_decode_s = max((decodes_s - one_decode_s) / (num_decode_rows - 1), 0.0)
+        per_step_s = max(one_decode_s - per_decode_s, 0.0)
+        per_prompt_token_s = max(prefill_s - per_step_s, 0.0) / num_prompt_tokens or prefill_s / num_prompt_tokens
+        return cls(per_step_s, per_prompt_token_s, per_decode_s)
 
     def prompt_tokens_per_s(self, num_prompt_tokens: int) -> float:
         """The throughput of a step that computes ``num_prompt_tokens`` prompt tokens and nothing else."""

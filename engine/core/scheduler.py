@@ -41,7 +41,17 @@ from typing import Protocol
 from engine.core.block_hash import BlockHash
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from engine.core.outputs import FinishReason, PreemptionEvent, ScheduledRequest, SchedulerOutput, SchedulerStats
+from engine.core.outputs import (
+    EngineSnapshot,
+    FinishReason,
+    PreemptionEvent,
+    RemainingWork,
+    RequestSnapshot,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    StepStats,
+)
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.step_back_off import StepBackOff
@@ -251,6 +261,46 @@ class Scheduler:
             prefix_cache_queried_tokens=self.kv.prefix_cache_counts.queried_tokens,
             prefix_cache_hit_tokens=self.kv.prefix_cache_counts.hit_tokens,
             prefix_cache_evictions=device_pool.num_evictions,
+        )
+
+    def snapshot(
+        self,
+        active_faults: dict[str, bool],
+        last_step: StepStats | None = None,
+        requests: tuple[RequestSnapshot, ...] | None = None,
+    ) -> EngineSnapshot:
+        """The engine between two steps, as the serving layer and the admission forecast see it: its queues' remaining
+        work in scheduling order, its pools, its cached prefixes and its preemption costs."""
+        kv = self.kv
+        return EngineSnapshot(
+            stats=self.stats(),
+            prefill_tokens_per_s=self.preemption_policy.prefill_tokens_per_s,
+            copy_bytes_per_s=self.preemption_policy.copy_bytes_per_s,
+            active_faults=active_faults,
+            last_step=last_step,
+            running_work=self._remaining_work(self.running, kv.device_tables, on_device=True),
+            swapped_work=self._remaining_work(self.swapped, kv.host_tables),
+            waiting_work=self._remaining_work(self.waiting, {}),
+            requests=requests,
+            evictable_block_hashes=kv.device_pool.evictable_hashes() if kv.enable_prefix_caching else (),
+        )
+
+    def _remaining_work(
+        self, requests: list[SchedulableRequest], block_tables: dict[str, list[int]], on_device: bool = False
+    ) -> tuple[RemainingWork, ...]:
+        kv = self.kv
+        caching = kv.enable_prefix_caching
+        return tuple(
+            RemainingWork(
+                num_tokens=r.num_tokens,
+                num_computed_tokens=r.num_computed_tokens,
+                num_remaining_outputs=r.max_num_tokens - r.num_tokens,
+                place_in_line_ts=r.place_in_line_ts,
+                num_blocks=len(block_tables.get(r.request_id, ())),
+                block_hashes=tuple(r.block_hashes) if caching else (),
+                table_hashes=kv.table_hashes(r.request_id) if caching and on_device else (),
+            )
+            for r in requests
         )
 
     # ---- phases -------------------------------------------------------------------------------

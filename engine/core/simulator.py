@@ -16,9 +16,13 @@ down are refused, and it restarts empty, with no fault, at the window's end).
 Multi-turn sessions (``SimulatedSession``): a turn's answer, once it reached its client, sends the next turn after a
 think time, with the conversation so far as its prompt.
 
-What it does not model: admission control (every request is admitted), the serving layer's costs beyond what the
-step-cost model and the token latency were fitted on, and clients that stall (a client gives up only after its
-request timeout).
+Admission control is the server's own (``engine.core.admission``): each arrival is decided on the snapshot the engine
+had published when it arrived (the state after the last step that had ended, the step then in progress started that
+long ago) with the requests taken in or admitted since, and the controller learns from every simulated step and
+first token as the server's learns from measured ones. A refused request ends as a 429 (its client does not retry).
+
+What it does not model: the serving layer's costs beyond what the step-cost model and the token latency were fitted
+on, and clients that stall (a client gives up only after its request timeout).
 """
 
 from __future__ import annotations
@@ -30,22 +34,27 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
+from engine.core.admission import AdmissionController, AdmissionLimits, NewRequest
 from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.fault_limits import FaultValues
 from engine.core.forecast import ForecastRequest, advance
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
-from engine.core.outputs import FinishReason, RemainingWork
+from engine.core.outputs import (
+    PROBE_DECODE_ROWS,
+    PROBE_PROMPT_TOKENS,
+    EngineInfo,
+    EngineSnapshot,
+    FinishReason,
+    RemainingWork,
+    StepCosts,
+)
 from engine.core.preemption import PreemptionPolicy
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
 
 _remaining_outputs = attrgetter("num_remaining_outputs")
-
-# What a step of a prefill-only batch of this many tokens costs is the preemption policy's first estimate of
-# recompute (the engine measures the same at start-up).
-PROBE_PREFILL_TOKENS = 512
 
 
 class StepCost(Protocol):
@@ -70,6 +79,37 @@ class SimulatedEngine:
     # From the end of the step that made a token to the client holding it: the server's event loop, the socket, the
     # client's parsing. It shifts every token alike, so it adds to TTFT and E2E, not to the gaps between tokens.
     token_latency_s: float = 0.0
+
+    def step_costs(self) -> StepCosts:
+        """What the engine would measure at start-up: the cost model's price of the same probe steps."""
+        step_s, last = self.cost.step_s, PROBE_PROMPT_TOKENS - 1
+        return StepCosts.from_probes(
+            step_s(StepShape.of_batch([(0, PROBE_PROMPT_TOKENS)])),
+            PROBE_PROMPT_TOKENS,
+            step_s(StepShape.of_batch([(last, 1)])),
+            step_s(StepShape.of_batch([(last - row, 1) for row in range(PROBE_DECODE_ROWS)])),
+            PROBE_DECODE_ROWS,
+        )
+
+    def info(self) -> EngineInfo:
+        """The engine as admission control sees it (what does not change while it runs)."""
+        return EngineInfo(
+            model="simulated",
+            device="simulated",
+            dtype="simulated",
+            dtype_choice="simulated",
+            max_model_len=self.max_model_len,
+            vocab_size=0,
+            block_size=self.block_size,
+            bytes_per_block=self.bytes_per_block,
+            attention_backend="simulated",
+            matmul="simulated",
+            layer_ops="simulated",
+            scheduler_config=self.scheduler_config,
+            watermark=self.watermark,
+            step_costs=self.step_costs(),
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
     def fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why the engine refuses such a request before it starts (a 400), or None."""
@@ -206,7 +246,7 @@ class Outcome:
 class SimulatedRequest(ForecastRequest):
     """A request with what its client would see: when each token arrived and how it ended."""
 
-    __slots__ = ("arrival", "error", "outcome", "token_times_s")
+    __slots__ = ("arrival", "error", "model_ttft_s", "outcome", "token_times_s")
 
     def __init__(self, arrival: SimulatedArrival) -> None:
         super().__init__(
@@ -219,6 +259,8 @@ class SimulatedRequest(ForecastRequest):
         self.token_times_s: list[float] = []
         self.outcome: str | None = None
         self.error = ""
+        # Admission's uncorrected prediction of its first token, from its arrival (None: not predicted).
+        self.model_ttft_s: float | None = None
 
 
 @dataclass
@@ -262,8 +304,11 @@ class Simulation:
         check_invariants: bool = False,
         fast_forward: bool = True,
         sessions: Sequence[SimulatedSession] = (),
+        admission: AdmissionLimits | None = None,
     ) -> None:
+        """``admission``: the server's admission limits (None, or none set: every request is admitted)."""
         self.engine = engine
+        self.admission_limits = admission if admission is not None and _limits_anything(admission) else None
         self.arrivals: list[SimulatedArrival] = []
         # With sessions, a step that ends a turn ends ``advance_until`` too: the next turn may arrive before whatever
         # the caller waits for.
@@ -292,6 +337,7 @@ class Simulation:
         self.deadlines: list[tuple[float, int, SimulatedRequest]] = []
         self.result = SimulationResult([])
         self.scheduler = self._fresh_scheduler()
+        self._fresh_admission()
 
     def add_load(self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession] = ()) -> None:
         """More for ``run`` to send: single requests, and sessions whose first turns arrive as they start."""
@@ -416,9 +462,16 @@ class Simulation:
             return 0.0
         cost, step_delay, latency_s = self.engine.cost, faults.step_delay, self.engine.token_latency_s
         elapsed_s, delivered, num_done = 0.0, [], 0
+        admission = self.admission
         for step in range(1, max_steps + 1):
             context += num_rows  # each decode attends to its whole context, the new token's own key included
-            elapsed_s += cost.step_s(StepShape(0, num_rows, context, context)) + step_delay
+            step_s = cost.step_s(StepShape(0, num_rows, context, context)) + step_delay
+            if admission is not None:
+                # An arrival during a step is decided on the snapshot from before it: that step is planned alone.
+                if t + elapsed_s + step_s > until_s:
+                    break
+                admission.observe_step(0, num_rows, step_s)
+            elapsed_s += step_s
             delivered.append(t + elapsed_s + latency_s)
             while num_done < len(rows) and rows[num_done].num_remaining_outputs == step:
                 context -= rows[num_done].num_computed_tokens + step
@@ -428,6 +481,9 @@ class Simulation:
             if t + elapsed_s >= until_s or not num_rows or (num_done and self.has_sessions):
                 break
         num_steps = len(delivered)
+        if not num_steps:
+            return 0.0
+        self._begin_step(t)
         kv = scheduler.kv
         block_size, hashed, allocate_slots = kv.block_size, kv.enable_prefix_caching, kv.allocate_slots
         for request in rows:
@@ -453,6 +509,7 @@ class Simulation:
                 self._end(request, Outcome.OK)
         scheduler.back_off.on_success()
         self.result.num_steps += num_steps
+        self._end_step()
         if self.check_invariants:
             scheduler.check_invariants()
         if self.keep_steps:
@@ -490,6 +547,7 @@ class Simulation:
         num_moved = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         if not plan.batch and not num_moved and not plan.preemptions:
             return 0.0
+        self._begin_step(t)
         result.num_steps += 1
         for event in plan.preemptions:
             result.preemptions[event.mode.value] += 1
@@ -508,14 +566,20 @@ class Simulation:
                 scheduler.finish_request(victim.request_id, FinishReason.ERROR)
                 self._end(victim, Outcome.BROKEN_STREAM, f"the engine gave up on it after failed steps: {failure}")
         else:
-            delivered_s = end_s + self.engine.token_latency_s
+            delivered_s, admission = end_s + self.engine.token_latency_s, self.admission
             for request in advance(scheduler, plan):
-                request.token_times_s.append(delivered_s)
+                token_times_s = request.token_times_s
+                token_times_s.append(delivered_s)
+                if admission is not None and len(token_times_s) == 1 and request.model_ttft_s is not None:
+                    admission.observe_first_token(request.model_ttft_s, end_s - request.arrival.at_s)
                 if request.num_remaining_outputs <= 0:
                     self._end(request, Outcome.OK)
             if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
                 scheduler.preemption_policy.observe_prefill(num_batched_tokens, duration_s)
+            if admission is not None:
+                admission.observe_step(shape.num_prefill_tokens, shape.num_decodes, duration_s)
         scheduler.preemption_policy.observe_swap(num_moved, swap_s)
+        self._end_step()
         if self.check_invariants:
             scheduler.check_invariants()
         if self.keep_steps:
@@ -546,8 +610,62 @@ class Simulation:
         if refusal is not None:
             self._end(request, Outcome.REJECTED, f"400: {refusal}")
             return False
+        if self.admission is not None:
+            busy = self._decide(request)
+            if busy is not None:
+                self._end(request, Outcome.REJECTED, f"429: {busy}")
+                return False
         self.scheduler.add_request(request)
         return True
+
+    # ---- admission ----------------------------------------------------------------------------
+
+    def _fresh_admission(self) -> None:
+        """A controller that has learnt nothing yet (at the start, and at a restart), and the engine as published."""
+        limits = self.admission_limits
+        self.admission = None if limits is None else AdmissionController(limits, self.engine.info())
+        if self.admission is None:
+            return
+        # What the engine published after the last step that ended, and after the one before (what a request arriving
+        # during the last step was decided on); when the last step started, and the requests it took in (admitted
+        # after the one before had ended); the requests admitted since the last step ended.
+        self._published = self._published_before = self._snapshot()
+        self._step_start_s = 0.0
+        self._taken_by_step: list[RemainingWork] = []
+        self._admitted: list[RemainingWork] = []
+
+    def _snapshot(self) -> EngineSnapshot:
+        return self.scheduler.snapshot(self.faults.active())
+
+    def _begin_step(self, t: float) -> None:
+        if self.admission is not None:
+            self._step_start_s = t
+            self._taken_by_step, self._admitted = self._admitted, []
+
+    def _end_step(self) -> None:
+        if self.admission is not None:
+            self._published_before, self._published = self._published, self._snapshot()
+
+    def _decide(self, request: SimulatedRequest) -> str | None:
+        """Why admission refuses ``request`` (arriving now), or None: it is admitted, with its prediction kept."""
+        arrival = request.arrival
+        if self._step_start_s <= arrival.at_s < self.t:  # it came while the last step ran
+            snapshot, elapsed_s, in_engine = (
+                self._published_before,
+                arrival.at_s - self._step_start_s,
+                self._taken_by_step,
+            )
+        else:
+            snapshot, elapsed_s, in_engine = self._published, 0.0, []
+        new = NewRequest(arrival.num_prompt_tokens, arrival.max_tokens, block_hashes=arrival.block_hashes)
+        decision, model_ttft_s = self.admission.decide(
+            snapshot, elapsed_s, in_engine, self._admitted, new, now=arrival.at_s
+        )
+        if decision.refusal is not None:
+            return str(decision.refusal)
+        request.model_ttft_s = model_ttft_s
+        self._admitted.append(new.work._replace(place_in_line_ts=arrival.at_s))
+        return None
 
     def _time_out(self, request: SimulatedRequest) -> None:
         if request.outcome is not None:
@@ -583,6 +701,7 @@ class Simulation:
         self.is_down = True
         self.faults = FaultValues()
         self.scheduler = self._fresh_scheduler()
+        self._fresh_admission()
 
     def _fresh_scheduler(self) -> Scheduler:
         engine = self.engine
@@ -597,6 +716,14 @@ class Simulation:
             engine.scheduler_config.preemption_mode,
             engine.bytes_per_block,
             engine.bytes_per_block / swap_block_s if swap_block_s > 0 else 1e15,
-            PROBE_PREFILL_TOKENS / engine.cost.step_s(StepShape.of_batch([(0, PROBE_PREFILL_TOKENS)])),
+            # The engine's first estimate of recompute: its start-up prefill probe (LLMEngine.load).
+            engine.step_costs().prompt_tokens_per_s(PROBE_PROMPT_TOKENS),
         )
         return Scheduler(engine.scheduler_config, kv, policy, engine.watermark)
+
+
+def _limits_anything(limits: AdmissionLimits) -> bool:
+    return any(
+        limit is not None
+        for limit in (limits.ttft_slo_s, limits.tpot_slo_s, limits.max_waiting, limits.max_queue_delay_s)
+    )

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.core.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.core.fault_limits import parse_seconds
 from engine.core.interface import EngineClient, Prompt
 from engine.core.outputs import (
@@ -49,7 +50,6 @@ from engine.core.outputs import (
     StepStats,
 )
 from engine.core.sampling_params import SamplingParams
-from engine.serving.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

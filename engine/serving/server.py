@@ -24,11 +24,11 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from engine.core.admission import AdmissionRefused
 from engine.core.interface import InvalidRequest
 from engine.core.outputs import RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admin import add_admin_routes
-from engine.serving.admission import AdmissionRefused
 from engine.serving.async_engine import AsyncEngine, EngineFailure, RequestStream
 from engine.serving.protocol import (
     MAX_SEED,

@@ -2,9 +2,10 @@
 
 It fits a profile of this machine first (``kvstorm simulate profile`` of a server with the same options), then runs
 each case twice: through a fresh ``kvstorm serve`` over HTTP (the case's faults set and cleared through
-``/admin/faults`` on its timeline), and through ``kvstorm simulate``. It compares TTFT p50 / p99, TPOT p50, output
-throughput and preemptions, and says for each whether the simulator is within the issue's bounds (latency and
-throughput 15%, preemptions 20%).
+``/admin/faults`` on its timeline, its TTFT objective given to the server's admission control and the simulated one),
+and through ``kvstorm simulate``. It compares the requests that ended ok (the others are refused by admission), TTFT
+p50 / p99, TPOT p50, output throughput and preemptions, and says for each whether the simulator is within the issue's
+bounds (counts, latency and throughput 15%, preemptions 20%).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import EngineActivity, scrape
+from engine.core.admission import AdmissionLimits
 from engine.core.simulator import FaultWindow
 from engine.model.registry import resolve_model
 from kvstorm.bench.doc import BenchReport
@@ -34,6 +36,7 @@ from loadgen.records import Outcome
 from loadgen.results import FaultWindow as ReportedWindow
 from loadgen.results import RunConfig, RunResult, write_text_atomic
 from loadgen.runner import run_event_loop
+from loadgen.spec import parse_duration
 
 DEFAULT_SERVER_ARGS = "--num-kv-blocks 1024 --swap-space 256MiB --ttft-slo off"
 LATENCY_BOUND = 0.15
@@ -50,6 +53,8 @@ class Case:
     num_kv_blocks: int | None = None
     fault: FaultWindow | None = None
     workload: str = "random"
+    # The server's TTFT objective (``--ttft-slo``), which its admission control and the simulated one keep.
+    ttft_slo: str | None = None
 
 
 CASES = {
@@ -75,6 +80,8 @@ CASES = {
         duration_s=60,
         workload="multiturn:turns=4,system_len=300,think_s=1",
     ),
+    # Several times what the engine serves, under a TTFT objective: admission refuses what would miss it.
+    "admission": Case("poisson:rate=10", "uniform:64-512", "uniform:32-256", duration_s=60, ttft_slo="3s"),
 }
 
 
@@ -96,6 +103,8 @@ class Side:
     tpot_p50_s: float | None
     output_tokens_per_s: float
     preemptions: int
+    # Requests that ended ok (the others, in these cases: refused by admission).
+    num_ok: int
 
     @classmethod
     def of(cls, result: RunResult, preemptions: int) -> Side:
@@ -106,6 +115,7 @@ class Side:
             s.tpot.p50 if s.tpot else None,
             s.output_token_throughput,
             preemptions,
+            s.outcomes[Outcome.OK],
         )
 
 
@@ -127,7 +137,10 @@ def run_bench_simulator(args: argparse.Namespace) -> BenchReport:
         # The real run's load, the server's model name included.
         simulated_config = real.config.model_copy(update={"base_url": f"simulated ({profile_path})"})
         faults = [(case.fault, [0])] if case.fault else []
-        simulated = simulate(simulated_config, engine, profile.name, faults, chat_tokens=chat_tokens)
+        admission = AdmissionLimits(ttft_slo_s=None if case.ttft_slo is None else parse_duration(case.ttft_slo))
+        simulated = simulate(
+            simulated_config, engine, profile.name, faults, chat_tokens=chat_tokens, admission=admission
+        )
         side = simulated.engine_side
         rows.append(
             (
@@ -139,8 +152,9 @@ def run_bench_simulator(args: argparse.Namespace) -> BenchReport:
         )
         real.write(args.results_dir / f"simulator-{name}-real.json")
         simulated.result.write(args.results_dir / f"simulator-{name}-simulated.json")
-        if real.summary.outcomes[Outcome.OK] != len(real.records):
-            failures.append(f"{name}: the real run had requests that did not end ok")
+        refused = [r for r in real.records if r.http_status == 429] if case.ttft_slo else []
+        if real.summary.outcomes[Outcome.OK] + len(refused) != len(real.records):
+            failures.append(f"{name}: the real run had requests that did not end ok (nor were refused by admission)")
     return BenchReport(_markdown(args, profile, rows), failures=failures)
 
 
@@ -177,6 +191,8 @@ def _run_real(case: Case, config: RunConfig, server_args: str) -> tuple[RunResul
     serve_args = shlex.split(server_args)
     if case.num_kv_blocks is not None:
         serve_args += ["--num-kv-blocks", str(case.num_kv_blocks)]
+    if case.ttft_slo is not None:
+        serve_args += ["--ttft-slo", case.ttft_slo]
     token = secrets.token_urlsafe(16)
     with kvstorm_server(serve_args, env={**os.environ, ADMIN_TOKEN_ENV: token}) as server:
         before = scrape(server.url)
@@ -238,17 +254,18 @@ def _markdown(args: argparse.Namespace, profile, rows: list[tuple[str, Side, Sid
         f"({cpu_kind()}), {os.cpu_count()} CPUs. Each case: the same seeded load (`kvstorm bench serve` / "
         "`kvstorm simulate run`), exact output lengths.",
         "",
-        "| case | | TTFT p50 s | TTFT p99 s | TPOT p50 ms | output tok/s | preemptions |",
-        "|---|---|---|---|---|---|---|",
+        "| case | | ok | TTFT p50 s | TTFT p99 s | TPOT p50 ms | output tok/s | preemptions |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
     for name, real, simulated, paired in rows:
         for label, side in (("real", real), ("simulated", simulated)):
             lines.append(
-                f"| {name} | {label} | {_cell(side.ttft_p50_s)} | {_cell(side.ttft_p99_s)} | "
+                f"| {name} | {label} | {side.num_ok} | {_cell(side.ttft_p50_s)} | {_cell(side.ttft_p99_s)} | "
                 f"{_cell(side.tpot_p50_s, 1e3)} | {side.output_tokens_per_s:.1f} | {side.preemptions} |"
             )
         ratios = {
+            "ok": _ratio(simulated.num_ok, real.num_ok),
             "TTFT p50": _ratio(simulated.ttft_p50_s, real.ttft_p50_s),
             "TTFT p99": _ratio(simulated.ttft_p99_s, real.ttft_p99_s),
             "TPOT p50": _ratio(simulated.tpot_p50_s, real.tpot_p50_s),

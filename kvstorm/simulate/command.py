@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.core.config import PreemptionMode
 from engine.core.fleet import ROUTERS
 from engine.core.simulator import FaultWindow
+from kvstorm.admission_options import add_admission_arguments, admission_limits
 from kvstorm.bench.serve import duration_arg
 from kvstorm.simulate.conversations import TemplateTokens
 from kvstorm.simulate.measure import CONCURRENCY, fitted_profile
@@ -127,6 +128,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode], default=None)
     group.add_argument("--no-prefix-caching", action="store_true")
+    add_admission_arguments(run)
     run.add_argument("--results-dir", type=Path, default=Path("bench-results"), help="where JSON + HTML go")
     run.add_argument("--bucket", type=duration_arg, default=1.0, help="time-series bucket of the report")
     run.set_defaults(handler=run_simulate)
@@ -186,7 +188,17 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.tokenizer is not None and not args.tokenizer.exists():
         raise ValueError(f"--tokenizer {args.tokenizer}: no such file or folder")
     chat_tokens = TemplateTokens(args.tokenizer) if args.tokenizer is not None else None
-    run = simulate(config, engine, profile.name, faults, args.bucket, args.replicas, args.router, chat_tokens)
+    run = simulate(
+        config,
+        engine,
+        profile.name,
+        faults,
+        args.bucket,
+        args.replicas,
+        args.router,
+        chat_tokens,
+        admission_limits(args),
+    )
     side = run.engine_side
     stem = f"simulate-{time.strftime('%Y%m%d-%H%M%S')}-{run.result.run_id}"
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"

@@ -14,10 +14,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.core.admission import AdmissionLimits
 from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.fleet import Fleet
 from engine.core.simulator import FaultWindow, SimulatedArrival, SimulatedEngine, SimulatedRequest, StepSample
 from engine.core.simulator import SimulationResult as EngineSimulation
+from kvstorm.admission_options import describe_admission
 from kvstorm.simulate.conversations import ChatTokens, EstimatedTokens, simulated_sessions
 from loadgen.analysis import advisories, parse_slos, summarize
 from loadgen.plan import plan_run
@@ -26,10 +28,10 @@ from loadgen.results import FaultWindow as ReportedWindow
 from loadgen.results import PromSeries, RunConfig, RunResult
 
 SIMULATED_NOTE = (
-    "Simulated, not measured: the engine's own scheduler, KV cache and preemption in virtual time, each step priced "
-    "by the profile {profile!r}. Every request is admitted (admission control is not simulated), every stream runs to "
-    "its max_tokens, and the way to the client (the server's event loop, the network, the client) adds "
-    "{latency_ms:.1f} ms to every token."
+    "Simulated, not measured: the engine's own scheduler, KV cache, preemption and admission control in virtual time, "
+    "each step priced by the profile {profile!r}. Admission {admission}. Every stream runs to its max_tokens, a "
+    "refused client does not retry, and the way to the client (the server's event loop, the network, the client) "
+    "adds {latency_ms:.1f} ms to every token."
 )
 
 
@@ -81,9 +83,11 @@ def simulate(
     replicas: int = 1,
     router: str = "round-robin",
     chat_tokens: ChatTokens | None = None,
+    admission: AdmissionLimits | None = None,
 ) -> SimulatedRun:
     """``faults``: each window with the replicas it hits (0 for one engine). ``chat_tokens``: how a multi-turn
-    load's text is counted in tokens (default: estimated from its words)."""
+    load's text is counted in tokens (default: estimated from its words). ``admission``: the server's limits (None:
+    every request is admitted)."""
     slos = parse_slos(config.slo)
     plan = plan_run(config)
     chat_tokens = chat_tokens or EstimatedTokens()
@@ -103,14 +107,19 @@ def simulate(
             SimulatedArrival(planned.index, planned.offset_s, len(prompt), planned.max_tokens, tuple(hashes))
         )
     started = time.perf_counter()
-    fleet = Fleet(engine, replicas, router, faults, request_timeout_s=config.request_timeout_s)
+    admission = admission or AdmissionLimits()
+    fleet = Fleet(engine, replicas, router, faults, request_timeout_s=config.request_timeout_s, admission=admission)
     engine_side = fleet.merged(fleet.run(arrivals, sessions))
     wall_s = time.perf_counter() - started
     shared = {planned.index: planned.shared_prefix_tokens for planned in plan.requests}
     records = [_record(request, shared) for request in engine_side.requests]
     duration_s = max([engine_side.end_s, *(r.end_s for r in records)])
     summary = summarize(records, duration_s, slos, plan.num_turns)
-    notes = [SIMULATED_NOTE.format(profile=profile_name, latency_ms=engine.token_latency_s * 1e3)]
+    notes = [
+        SIMULATED_NOTE.format(
+            profile=profile_name, admission=describe_admission(admission), latency_ms=engine.token_latency_s * 1e3
+        )
+    ]
     if sessions:
         notes.append(
             f"Multi-turn: each turn's new tokens (template and user message) are {chat_tokens.description}. A turn "
@@ -166,7 +175,7 @@ def _record(request: SimulatedRequest, shared: dict[int, int]) -> RequestRecord:
         sent_s=arrival.at_s,
         outcome=outcome,
         error=request.error,
-        http_status=200 if started else (400 if request.error.startswith("400") else None),
+        http_status=200 if started else _refusal_status(request.error),
         finish_reason="length" if outcome is Outcome.OK else None,
         ttft_s=times[0] - arrival.at_s if times else None,
         e2e_s=times[-1] - arrival.at_s if outcome is Outcome.OK else None,
@@ -181,6 +190,13 @@ def _record(request: SimulatedRequest, shared: dict[int, int]) -> RequestRecord:
         session=session,
         turn=turn,
     )
+
+
+def _refusal_status(error: str) -> int | None:
+    """The HTTP status of a request refused before it started (400: it cannot fit; 429: admission), None: no answer
+    (the engine was down)."""
+    status = error[:3]
+    return int(status) if status in ("400", "429") else None
 
 
 def _replicas_label(hit: Sequence[int], replicas: int) -> str:

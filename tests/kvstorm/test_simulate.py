@@ -28,7 +28,7 @@ def test_a_simulated_run_with_faults_writes_a_real_runs_results_and_report(tmp_p
     result = run_kvstorm(
         "simulate", "run", "--profile", "h200-llama-3-8b", *LOAD, "--output-len", "uniform:100-600",
         "--num-kv-blocks", "3000", "--fault", '5s-15s kv_cap={"fraction": 0.3}', "--fault", "20s-22s kill",
-        "--slo", "ttft_p99=2s", "--results-dir", str(tmp_path),
+        "--slo", "ttft_p99=2s", "--ttft-slo", "off", "--results-dir", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     (results_path,) = tmp_path.glob("simulate-*.json")
@@ -57,7 +57,7 @@ def test_a_fleet_with_a_kv_cap_on_some_replicas_reports_the_fleet(tmp_path):
         "simulate", "run", "--profile", "h200-llama-3-8b", "--arrival", "poisson:rate=200", "--duration", "20s",
         "--input-len", "uniform:200-2000", "--output-len", "uniform:100-600", "--num-kv-blocks", "1500",
         "--replicas", "8", "--router", "least-outstanding", "--fault", '5s-15s@0-1 kv_cap={"fraction": 0.2}',
-        "--results-dir", str(tmp_path),
+        "--ttft-slo", "off", "--results-dir", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     run = RunResult.read(next(tmp_path.glob("simulate-*.json")))
@@ -69,8 +69,34 @@ def test_a_fleet_with_a_kv_cap_on_some_replicas_reports_the_fleet(tmp_path):
     assert max(v for _, v in series["preemptions/s"]) > 0
 
 
+def test_admission_sheds_an_overload_as_the_server_would_and_the_admitted_meet_the_objective(tmp_path):
+    args = (
+        "simulate", "run", "--profile", "h200-llama-3-8b", "--arrival", "poisson:rate=40", "--duration", "20s",
+        "--input-len", "uniform:200-2000", "--output-len", "uniform:100-600", "--num-kv-blocks", "3000",
+    )  # fmt: skip
+    runs = {}
+    for objective in ("2s", "off"):
+        result = run_kvstorm(*args, "--ttft-slo", objective, "--results-dir", str(tmp_path / objective))
+        assert result.returncode == 0, result.stderr
+        runs[objective] = RunResult.read(next((tmp_path / objective).glob("simulate-*.json")))
+    guarded, unguarded = runs["2s"], runs["off"]
+    assert unguarded.summary.outcomes[Outcome.REJECTED] == 0
+    assert unguarded.summary.ttft.p99 > 10.0, "the load must overload the engine"
+    refused = [r for r in guarded.records if r.outcome is Outcome.REJECTED]
+    assert len(refused) > 100
+    assert all(r.http_status == 429 and "server busy" in r.error for r in refused)
+    assert guarded.summary.outcomes[Outcome.OK] > 100
+    assert guarded.summary.ttft.p99 <= 2.0, "the admitted requests meet the objective"
+    assert "TTFT objective 2 s" in guarded.advisories[0]
+    assert "Admission off" in unguarded.advisories[0]
+
+
 def test_the_same_seed_simulates_the_same_run(tmp_path):
-    args = ("simulate", "run", "--profile", "h100x8-llama-3-70b", *LOAD, "--num-kv-blocks", "2000")
+    # Admission on (kvstorm serve's default objective): its decisions are part of what must repeat.
+    args = (
+        "simulate", "run", "--profile", "h100x8-llama-3-70b", "--arrival", "poisson:rate=40", "--duration", "15s",
+        "--input-len", "uniform:200-2000", "--num-kv-blocks", "2000",
+    )  # fmt: skip
     first = run_kvstorm(*args, "--results-dir", str(tmp_path / "a"))
     second = run_kvstorm(*args, "--results-dir", str(tmp_path / "b"))
     assert first.returncode == second.returncode == 0, first.stderr + second.stderr
@@ -78,6 +104,7 @@ def test_the_same_seed_simulates_the_same_run(tmp_path):
         [r.model_dump() for r in RunResult.read(next((tmp_path / d).glob("*.json"))).records] for d in ("a", "b")
     ]
     assert records[0] == records[1]
+    assert any(r["outcome"] == Outcome.REJECTED for r in records[0]), "the load must meet admission"
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from engine.core.admission import AdmissionLimits
 from engine.core.block_hash import extend_block_hashes
 from engine.core.fleet import Fleet
 from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, Simulation
@@ -23,6 +24,14 @@ def test_a_fleet_of_one_is_the_plain_simulation():
     assert [r.outcome for r in requests] == [r.outcome for r in alone.requests]
     assert [r.token_times_s for r in requests] == [r.token_times_s for r in alone.requests]
     assert fleet.merged(requests).preemptions == alone.preemptions
+
+
+def test_every_replica_admits_on_its_own():
+    arrivals = [SimulatedArrival(i, 1.0, 64, 8) for i in range(6)]
+    fleet = Fleet(engine(), 2, "round-robin", admission=AdmissionLimits(max_waiting=2))
+    requests = fleet.run(arrivals)
+    # Replica 0 takes 0, 2, 4 and replica 1 takes 1, 3, 5: the third each one is sent finds two waiting.
+    assert [r.outcome for r in requests] == [Outcome.OK] * 4 + [Outcome.REJECTED] * 2
 
 
 def test_round_robin_takes_turns_and_least_outstanding_evens_the_load():

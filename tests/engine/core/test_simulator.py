@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from engine.core.admission import AdmissionLimits
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.simulator import (
     FaultWindow,
@@ -165,6 +166,48 @@ def test_a_request_that_can_never_fit_is_refused_before_it_starts():
     result = Simulation(engine(num_device_blocks=10), [SimulatedArrival(0, 0.0, 200, 10)]).run()
     assert result.requests[0].outcome == Outcome.REJECTED
     assert "KV blocks" in result.requests[0].error
+
+
+def ttft_s(request) -> float:
+    return request.token_times_s[0] - request.arrival.at_s
+
+
+def test_admission_with_a_ttft_objective_sheds_an_overload_and_the_admitted_meet_it():
+    arrivals = poisson(200, rate=2, prompt=(100, 600), output=(50, 200), seed=3)  # about 2.5x the engine's capacity
+    unguarded = Simulation(engine(num_device_blocks=300), arrivals).run()
+    assert outcomes(unguarded)[Outcome.REJECTED] == 0
+    assert max(ttft_s(r) for r in unguarded.requests) > 60.0, "the load must overload the engine"
+    simulation = Simulation(
+        engine(num_device_blocks=300), arrivals, admission=AdmissionLimits(ttft_slo_s=2.0), check_invariants=True
+    )
+    result = simulation.run()
+    counts = outcomes(result)
+    assert counts[Outcome.REJECTED] > 50, counts
+    assert counts[Outcome.OK] > 50, counts
+    assert counts[Outcome.OK] + counts[Outcome.REJECTED] == 200
+    refused = [r for r in result.requests if r.outcome == Outcome.REJECTED]
+    assert all(r.error.startswith("429: server busy:") and not r.token_times_s for r in refused)
+    admitted = sorted(ttft_s(r) for r in result.requests if r.outcome == Outcome.OK)
+    assert admitted[int(0.99 * len(admitted))] <= 2.0
+    # The controller learnt from what the simulated engine did: every step, and first tokens (its corrections).
+    assert simulation.admission.model.num_observations == result.num_steps
+    assert simulation.admission.corrections() != (1.0, 1.25)
+
+
+def test_admission_counts_the_requests_that_arrive_at_one_instant():
+    arrivals = [SimulatedArrival(i, 1.0, 64, 8) for i in range(6)]
+    result = Simulation(engine(), arrivals, admission=AdmissionLimits(max_waiting=3)).run()
+    assert [r.outcome for r in result.requests] == [Outcome.OK] * 3 + [Outcome.REJECTED] * 3
+    assert "3 requests are waiting (limit 3)" in result.requests[3].error
+
+
+def test_a_request_arriving_during_a_step_is_decided_on_what_the_engine_published_before_it():
+    # A's prefill runs from 0 s to 0.11 s. B arrives during it: the engine published its state before A was taken
+    # in, and A counts as taken in by the step in progress (waiting, to the forecast). C arrives during A's first
+    # decode: the published state has A running, nothing waiting.
+    arrivals = [SimulatedArrival(0, 0.0, 100, 50), SimulatedArrival(1, 0.05, 16, 4), SimulatedArrival(2, 0.2, 16, 4)]
+    result = Simulation(engine(), arrivals, admission=AdmissionLimits(max_waiting=1), fast_forward=False).run()
+    assert [r.outcome for r in result.requests] == [Outcome.OK, Outcome.REJECTED, Outcome.OK]
 
 
 @pytest.mark.parametrize(

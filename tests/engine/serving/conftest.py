@@ -14,8 +14,8 @@ from contextlib import contextmanager
 import torch
 
 from engine.attention.kv_cache import kv_cache_bytes_per_block
+from engine.core.admission import AdmissionLimits
 from engine.llm_engine import LLM, LLMEngine
-from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.server import ServerConfig, create_app, start_server

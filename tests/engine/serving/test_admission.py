@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import requests
 
-from engine.core.outputs import RemainingWork, StepCosts, StepStats
-from engine.core.sampling_params import SamplingParams
-from engine.serving.admission import (
+from engine.core.admission import (
     AdmissionController,
     AdmissionLimits,
     NewRequest,
     StepTimeModel,
 )
+from engine.core.outputs import RemainingWork, StepCosts, StepStats
+from engine.core.sampling_params import SamplingParams
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.results import RunConfig

@@ -9,8 +9,8 @@ import threading
 import pytest
 import requests
 
+from engine.core.admission import AdmissionLimits
 from engine.core.sampling_params import SamplingParams
-from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from tests.engine.serving.conftest import make_tiny_engine, metric_value, running_server, wait_until

@@ -10,9 +10,9 @@ import json
 import pytest
 import requests
 
+from engine.core.admission import AdmissionLimits
 from engine.core.sampling_params import SamplingParams
 from engine.serving import server as server_module
-from engine.serving.admission import AdmissionLimits
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.metrics import EngineMetrics
 from engine.serving.protocol import MAX_LOGIT_BIAS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS

@@ -185,10 +185,13 @@ class AdmissionController:
 
     def observe_iteration(self, step: StepStats, wall_s: float) -> None:
         """One loop iteration that ran a step: the model learns its wall time (step, deliveries, bookkeeping)."""
-        if step.error is not None:
-            return
+        if step.error is None:
+            self.observe_step(step.num_prefill_tokens, step.num_batched_tokens - step.num_prefill_tokens, wall_s)
+
+    def observe_step(self, num_prefill_tokens: int, num_decodes: int, wall_s: float) -> None:
+        """A step that ran (did not fail), by its shape: what the simulator reports."""
         with self._lock:
-            self.model.observe(step.num_prefill_tokens, step.num_batched_tokens - step.num_prefill_tokens, wall_s)
+            self.model.observe(num_prefill_tokens, num_decodes, wall_s)
 
     def observe_first_token(self, model_ttft_s: float, observed_ttft_s: float) -> None:
         """An admitted request's first token came ``observed_ttft_s`` after it arrived; the uncorrected model had
