@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.core.forecast import FORECAST_HORIZON_S, forecast
+from engine.core.forecast import FORECAST_HORIZON_S, TPOT_DECODES, forecast
 from engine.core.outputs import BlockHash, EngineInfo, EngineSnapshot, RemainingWork, StepCosts, StepStats
 
 
@@ -230,8 +230,19 @@ class AdmissionController:
         if honoured_retry:
             new = dataclasses.replace(new, place_in_line_ts=first_attempt_ts)
         stats = snapshot.stats
+        # Decodes after the first token matter only to a TPOT objective; a forecast without them ends sooner.
+        tpot_decodes = 0 if limits.tpot_slo_s is None else TPOT_DECODES
         with self._lock:
-            predicted = forecast(snapshot, self.info, in_engine, arriving, new.work, self.model.predict, elapsed_s)
+            predicted = forecast(
+                snapshot,
+                self.info,
+                in_engine,
+                arriving,
+                new.work,
+                self.model.predict,
+                elapsed_s,
+                tpot_decodes=tpot_decodes,
+            )
         central, tail = self.corrections()
         ttft_s, queue_s, tail_ttft_s = predicted.ttft_s * central, predicted.queue_s * central, predicted.ttft_s * tail
         num_waiting = stats.num_waiting + len(in_engine) + len(arriving)

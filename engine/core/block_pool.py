@@ -85,6 +85,10 @@ class BlockPool:
     def block_hash(self, block_id: int) -> BlockHash | None:
         return self._hash_of_block.get(block_id)
 
+    def block_hashes(self, block_ids: Iterable[int]) -> tuple[BlockHash | None, ...]:
+        """``block_hash`` of each (a snapshot asks it of every block of every running request)."""
+        return tuple(map(self._hash_of_block.get, block_ids))
+
     def cached_block(self, block_hash: BlockHash) -> int | None:
         """The block registered under ``block_hash``, used or evictable, if any."""
         return self._block_of_hash.get(block_hash)

@@ -28,7 +28,7 @@ StepTime = Callable[[int, int], float]
 # How far a forecast looks ahead at most: a request predicted later than this is refused anyway.
 FORECAST_HORIZON_S = 120.0
 FORECAST_MAX_STEPS = 5000
-# Decode steps of the new request over which its TPOT is predicted.
+# Decode steps of the new request over which its TPOT is predicted (when a TPOT objective asks for it).
 TPOT_DECODES = 8
 
 
@@ -116,10 +116,12 @@ def forecast(
     step_time: StepTime,
     elapsed_s: float = 0.0,
     horizon_s: float = FORECAST_HORIZON_S,
+    tpot_decodes: int = TPOT_DECODES,
 ) -> Forecast:
     """Run the scheduler from ``snapshot``: a step on the snapshot's queues and ``in_engine`` (requests the engine
     took since the snapshot) started ``elapsed_s`` ago; ``arriving`` (submitted, not taken yet) and the ``new``
-    request join the waiting queue from the next step on, each at its place in line."""
+    request join the waiting queue from the next step on, each at its place in line. The TPOT is predicted over the
+    new request's first ``tpot_decodes`` decodes (0: not predicted, the forecast ends at its first token)."""
     scheduler = scheduler_from_snapshot(snapshot, info)
     names = (str(index) for index in range(1 << 62))
     for status, works in (
@@ -154,7 +156,7 @@ def forecast(
             else:
                 decode_steps.append(duration_s)
         new_finished = new_request.num_remaining_outputs <= 0
-        if (ttft_s is not None and (len(decode_steps) >= TPOT_DECODES or new_finished)) or t > horizon_s:
+        if (ttft_s is not None and (len(decode_steps) >= tpot_decodes or new_finished)) or t > horizon_s:
             break
     return Forecast(
         queue_s=math.inf if queue_s is None else queue_s,

@@ -159,7 +159,7 @@ class KVCacheManager:
 
     def table_hashes(self, request_id: str) -> tuple[BlockHash | None, ...]:
         """The hash each block of the request's device table is cached under (None: not cached)."""
-        return tuple(self.device_pool.block_hash(block_id) for block_id in self.block_ids(request_id))
+        return self.device_pool.block_hashes(self.block_ids(request_id))
 
     def restore_table(
         self, request: HashedRequest, num_blocks: int, on_device: bool, table_hashes: Sequence[BlockHash | None] = ()
@@ -168,20 +168,23 @@ class KVCacheManager:
         table as a snapshot of another manager shows it (the forecast starts from one). ``table_hashes`` (device
         only): the hash each block is cached under, or None; blocks under the same hash are one shared block."""
         pool, tables = (self.device_pool, self.device_tables) if on_device else (self.host_pool, self.host_tables)
+        hashes = [*table_hashes[:num_blocks], *[None] * (num_blocks - len(table_hashes))]
+        cached_block = pool.cached_block
+        shared = [None if block_hash is None else cached_block(block_hash) for block_hash in hashes]
+        # The blocks it does not share, in one allocation (a forecast restores tables before any cached block no one
+        # holds, so none is evicted for them).
+        fresh = pool.allocate(shared.count(None), beyond_capacity=True)
+        if fresh is None:
+            raise ValueError(f"{pool.name} pool of {pool.num_blocks} blocks cannot hold {num_blocks} blocks more")
+        pool.touch(block_id for block_id in shared if block_id is not None)
+        fresh_ids = iter(fresh)
         table = tables.setdefault(request.request_id, [])
-        for index in range(num_blocks):
-            block_hash = table_hashes[index] if index < len(table_hashes) else None
-            shared = None if block_hash is None else pool.cached_block(block_hash)
-            if shared is not None:
-                pool.touch([shared])
-                table.append(shared)
-                continue
-            block_ids = pool.allocate(1, beyond_capacity=True)
-            if block_ids is None:
-                raise ValueError(f"{pool.name} pool of {pool.num_blocks} blocks cannot hold {num_blocks} blocks more")
-            if block_hash is not None:
-                pool.register(block_ids[0], block_hash)
-            table.extend(block_ids)
+        for block_hash, block_id in zip(hashes, shared, strict=True):
+            if block_id is None:
+                block_id = next(fresh_ids)
+                if block_hash is not None:
+                    pool.register(block_id, block_hash)
+            table.append(block_id)
         if on_device:
             self._num_offered[request.request_id] = min(
                 request.num_computed_tokens // self.block_size, len(request.block_hashes), num_blocks
@@ -190,12 +193,13 @@ class KVCacheManager:
     def restore_evictable(self, block_hashes: Sequence[BlockHash]) -> None:
         """Put cached blocks no request holds into the device pool, the next to be evicted first (as
         ``BlockPool.evictable_hashes`` lists them)."""
-        for block_hash in block_hashes:
-            block_ids = self.device_pool.allocate(1, beyond_capacity=True)
-            if block_ids is None:
-                raise ValueError(f"device pool of {self.device_pool.num_blocks} blocks cannot hold the cached blocks")
-            self.device_pool.register(block_ids[0], block_hash)
-            self.device_pool.free(block_ids)
+        pool = self.device_pool
+        block_ids = pool.allocate(len(block_hashes), beyond_capacity=True)
+        if block_ids is None:
+            raise ValueError(f"device pool of {pool.num_blocks} blocks cannot hold the cached blocks")
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            pool.register(block_id, block_hash)
+        pool.free(block_ids)
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in either pool (a device table tail first: its tail is evicted

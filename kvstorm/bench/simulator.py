@@ -278,15 +278,17 @@ def _markdown(args: argparse.Namespace, profile, rows: list[tuple[str, Side, Sid
             outside.append("preemptions")
         verdict = "within bounds" if not outside else "**outside** on " + ", ".join(outside)
         paired_text = "-" if paired is None else f"{paired:.2f}x"
+        objective = "" if CASES[name].ttft_slo is None else f" (both with `--ttft-slo {CASES[name].ttft_slo}`)"
         verdicts.append(
-            f"- {name}: simulated / real: {ratio_text}; preemptions {simulated.preemptions} vs {real.preemptions}: "
+            f"- {name}{objective}: simulated / real: {ratio_text}; preemptions {simulated.preemptions} vs "
+            f"{real.preemptions}: "
             f"{verdict}. Request by request, the median TTFT ratio is {paired_text}."
         )
     return "\n".join(
         [
             *lines,
             "",
-            f"Bounds: latency percentiles and throughput within {LATENCY_BOUND:.0%}, preemptions within "
+            f"Bounds: requests ok, latency percentiles and throughput within {LATENCY_BOUND:.0%}, preemptions within "
             f"{PREEMPTION_BOUND:.0%}.",
             *verdicts,
             "",
