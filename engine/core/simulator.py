@@ -655,7 +655,7 @@ class Simulation:
                 arrival.at_s - self._step_start_s,
                 self._taken_by_step,
             )
-        else:
+        else:  # between steps, or a fleet's replica has run past it: what it published last
             snapshot, elapsed_s, in_engine = self._published, 0.0, []
         new = NewRequest(arrival.num_prompt_tokens, arrival.max_tokens, block_hashes=arrival.block_hashes)
         decision, model_ttft_s = self.admission.decide(

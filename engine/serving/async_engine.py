@@ -210,9 +210,11 @@ class AsyncEngine:
         ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
         ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
         prepared = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
+        started = time.perf_counter()
         decision, model_ttft_s = self._decide(
             NewRequest(prepared.num_prompt_tokens, params.max_tokens, retry_key, block_hashes=prepared.block_hashes)
         )
+        self.metrics.observe_admission_decision(time.perf_counter() - started)
         if decision.honoured_retry:
             self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:

@@ -31,6 +31,9 @@ BASE_LATENCY_BUCKETS_S = (
 PREEMPTIONS_PER_REQUEST_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
 BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # Around 1: within 10%, 20% and 25% either way are bucket boundaries.
+# An admission decision (its forecast) takes from tens of microseconds on an idle engine to tens of milliseconds with
+# hundreds of requests in flight, each on the server's event loop.
+DECISION_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.8, 0.9, 1.0, 1.1, 1.2, 1.25, 1.5, 2.0, 4.0)
 ABORT_PHASES = ("queued", "prefill", "decode", "swapped")
 # "client": the client went away or cancelled; "slow_client": it left too many outputs unread (back-pressure).
@@ -168,6 +171,11 @@ class EngineMetrics:
             "kvstorm:admission_predicted_ttft_seconds",
             "Time to first token admission predicted for each admitted request",
         )
+        self.admission_decision = self._histogram(
+            "kvstorm:admission_decision_seconds",
+            "Time admission control took to decide on a request (its forecast), on the server's event loop",
+            DECISION_BUCKETS,
+        )
         self.ttft_prediction_ratio = self._histogram(
             "kvstorm:admission_ttft_prediction_ratio",
             "Predicted over observed time to first token of each admitted request (1: exact)",
@@ -303,6 +311,9 @@ class EngineMetrics:
 
     def observe_rejected(self, reason: str) -> None:
         self._labels(self.rejected_requests, reason=reason).inc()
+
+    def observe_admission_decision(self, seconds: float) -> None:
+        self.admission_decision.observe(seconds)
 
     def observe_admitted(self, predicted_ttft_s: float) -> None:
         self.admitted_requests.inc()

@@ -217,6 +217,9 @@ def test_a_burst_far_above_capacity_is_shed_and_every_admitted_stream_meets_its_
         metrics = requests.get(f"{server.url}/metrics").text
         assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="ttft_slo") == len(refused)
         assert metric_value(metrics, "kvstorm:admitted_requests_total") == len(admitted) + 1
+        decided = len(refused) + len(admitted) + 1
+        assert metric_value(metrics, "kvstorm:admission_decision_seconds_count") == decided
+        assert metric_value(metrics, "kvstorm:admission_decision_seconds_sum") > 0
         assert metric_value(metrics, "kvstorm:admission_ttft_prediction_ratio_count") == len(admitted) + 1
         assert metric_value(metrics, "kvstorm:admission_ttft_limit_seconds") > 0
 
