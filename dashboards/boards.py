@@ -208,7 +208,13 @@ def _admission_panels() -> tuple[Panel, ...]:
         description="The feedback loop: how much slower (above 1) or faster than its step model the engine "
         "delivers first tokens, and the model's TTFT under which a request is admitted (objective / q0.95)",
     )
-    return predicted_vs_observed, prediction_accuracy, admissions, margin
+    decision_time = quantiles(
+        "kvstorm:admission_decision_seconds",
+        "Admission: time to decide on a request",
+        description="Each decision runs the scheduler ahead of the engine, on the server's event loop: it grows with "
+        "the requests and blocks in flight, and every stream waits while it runs",
+    )
+    return predicted_vs_observed, prediction_accuracy, admissions, margin, decision_time
 
 
 def _outcome_panels() -> tuple[Panel, ...]:
