@@ -14,9 +14,18 @@ from engine.core.interface import EngineClient
 
 ROOT = Path(__file__).resolve().parent.parent
 OUR_PACKAGES = ("kvstorm", "engine", "kernels", "loadgen", "chaos", "dashboards")
-# What the serving layer may import of the core: the interface, plain data and the forecast. Never the request the
-# engine thread mutates, the scheduler or the pools.
-SERVING_SEES_OF_THE_CORE = ("interface", "outputs", "config", "sampling_params", "fault_limits", "forecast")
+# What the serving layer may import of the core: the interface, plain data, the forecast and admission control (its
+# decisions from forecasts, which the simulator runs too). Never the request the engine thread mutates, the scheduler
+# or the pools.
+SERVING_SEES_OF_THE_CORE = (
+    "interface",
+    "outputs",
+    "config",
+    "sampling_params",
+    "fault_limits",
+    "forecast",
+    "admission",
+)
 
 
 def python_files(package: str) -> list[Path]:
