@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import re
 import signal
@@ -262,6 +263,7 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     limits = admission_limits(args, max_buffered_outputs=args.max_buffered_outputs)
     engine = _load_off_the_main_thread(engine_config_from_args(args))
+    _freeze_the_loaded_heap()
     info = engine.info
     print(
         f"kvstorm serve: {info.model} on {info.device} in {info.dtype} ({info.dtype_choice}), "
@@ -275,6 +277,15 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(AsyncEngine(engine, metrics, limits), config)
     asyncio.run(_serve_until_signalled(app, args.host, args.port, args.drain_timeout))
     return 0
+
+
+def _freeze_the_loaded_heap() -> None:
+    """Move every object the start-up made (the model's modules, the tokenizer's vocabulary, the imported libraries)
+    out of the garbage collector's reach, as vLLM does after its start-up (``freeze_gc_heap``). A full collection
+    walks every tracked object while holding the GIL: with the loaded heap in it, one took 140-190 ms under load
+    (``gc.callbacks``, SmolLM2 in float32 on a 2-core Xeon), and every stream waited that long."""
+    gc.collect()
+    gc.freeze()
 
 
 def _load_off_the_main_thread(config: EngineConfig) -> LLMEngine:
