@@ -70,6 +70,13 @@ class AdmissionLimits:
         if self.max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {self.max_buffered_outputs}")
 
+    @property
+    def limits_anything(self) -> bool:
+        """Whether any limit is set (without one, admission refuses nothing)."""
+        return any(
+            limit is not None for limit in (self.ttft_slo_s, self.tpot_slo_s, self.max_waiting, self.max_queue_delay_s)
+        )
+
 
 class StepTimeModel:
     """Iteration time = c0 + c1 * prefill tokens + c2 * decodes, by ridge regression towards a prior with

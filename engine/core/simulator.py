@@ -308,7 +308,7 @@ class Simulation:
     ) -> None:
         """``admission``: the server's admission limits (None, or none set: every request is admitted)."""
         self.engine = engine
-        self.admission_limits = admission if admission is not None and _limits_anything(admission) else None
+        self.admission_limits = admission if admission is not None and admission.limits_anything else None
         self.arrivals: list[SimulatedArrival] = []
         # With sessions, a step that ends a turn ends ``advance_until`` too: the next turn may arrive before whatever
         # the caller waits for.
@@ -720,10 +720,3 @@ class Simulation:
             engine.step_costs().prompt_tokens_per_s(PROBE_PROMPT_TOKENS),
         )
         return Scheduler(engine.scheduler_config, kv, policy, engine.watermark)
-
-
-def _limits_anything(limits: AdmissionLimits) -> bool:
-    return any(
-        limit is not None
-        for limit in (limits.ttft_slo_s, limits.tpot_slo_s, limits.max_waiting, limits.max_queue_delay_s)
-    )
