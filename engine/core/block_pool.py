@@ -126,15 +126,18 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one owner from each block; a block with no owner left is evictable if it is registered, else
         empty. Pass a table tail first, so that its tail is evicted first."""
+        # Every finished request's table comes through here, block by block: what it uses is looked up once.
+        ref_counts, hashed, evictable, to_empty = self._ref_counts, self._hash_of_block, self._evictable, self._empty
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
+            count = ref_counts[block_id]
+            if count == 0:
                 raise ValueError(f"{self.name} block {block_id} freed twice")
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if block_id in self._hash_of_block:
-                    self._evictable[block_id] = None
+            ref_counts[block_id] = count - 1
+            if count == 1:
+                if block_id in hashed:
+                    evictable[block_id] = None
                 else:
-                    self._empty.append(block_id)
+                    to_empty.append(block_id)
         self._evict_to_capacity()
 
     def register(self, block_id: int, block_hash: BlockHash) -> bool:

@@ -31,6 +31,7 @@ from engine.core.simulator import (
     SimulatedSession,
     Simulation,
     SimulationResult,
+    cycle_collection_paused,
 )
 
 ROUTERS = ("round-robin", "least-outstanding", "prefix-affinity", "session-affinity")
@@ -63,11 +64,13 @@ class Fleet:
             )
             for index in range(num_replicas)
         ]
-        self._route: Callable[[SimulatedArrival], int] = {
-            "round-robin": self._round_robin,
-            "least-outstanding": self._least_outstanding,
-            "prefix-affinity": self._prefix_affinity,
-            "session-affinity": self._session_affinity,
+        # The router's method, unbound: a bound one kept on the fleet would make a reference cycle, which the cycle
+        # collector, paused while a run goes, would be left to find.
+        self._route: Callable[[Fleet, SimulatedArrival], int] = {
+            "round-robin": Fleet._round_robin,
+            "least-outstanding": Fleet._least_outstanding,
+            "prefix-affinity": Fleet._prefix_affinity,
+            "session-affinity": Fleet._session_affinity,
         }[router]
         self._turns = itertools.cycle(range(num_replicas))
         # Which replica each request went to, by its index.
@@ -77,16 +80,17 @@ class Fleet:
         self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession] = ()
     ) -> list[SimulatedRequest]:
         """Every request, each in the order of arrival, as its client saw it."""
-        if sessions:
-            self._run_with_sessions(arrivals, sessions)
-        else:
-            for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
-                for replica in self.replicas:
-                    replica.advance_until(arrival.at_s)
-                self._submit(arrival)
-        for replica in self.replicas:
-            replica.advance_until(math.inf)
-            replica.finish()
+        with cycle_collection_paused():
+            if sessions:
+                self._run_with_sessions(arrivals, sessions)
+            else:
+                for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
+                    for replica in self.replicas:
+                        replica.advance_until(arrival.at_s)
+                    self._submit(arrival)
+            for replica in self.replicas:
+                replica.advance_until(math.inf)
+                replica.finish()
         return self._in_order([request for replica in self.replicas for request in replica.result.requests])
 
     def _run_with_sessions(self, arrivals: Sequence[SimulatedArrival], sessions: Sequence[SimulatedSession]) -> None:
@@ -118,7 +122,7 @@ class Fleet:
                 self._submit(heapq.heappop(pending)[2])
 
     def _submit(self, arrival: SimulatedArrival) -> None:
-        chosen = self._route(arrival)
+        chosen = self._route(self, arrival)
         self.assignment[arrival.index] = chosen
         self.replicas[chosen].submit(SimulatedRequest(arrival))
 

@@ -127,6 +127,17 @@ class KVCacheManager:
         self.device_tables[request_id] = [*cached_block_ids, *new_block_ids]
         return new_block_ids
 
+    def append_blocks(self, request_ids: Sequence[str]) -> bool:
+        """One more device block at the end of each request's table, in one allocation (decodes that each crossed
+        into a new block); False, changing nothing, when the pool lacks them."""
+        block_ids = self.device_pool.allocate(len(request_ids))
+        if block_ids is None:
+            return False
+        tables = self.device_tables
+        for request_id, block_id in zip(request_ids, block_ids, strict=True):
+            tables[request_id].append(block_id)
+        return True
+
     def _allocate(self, num_blocks: int) -> list[int]:
         block_ids = self.device_pool.allocate(num_blocks)
         if block_ids is None:

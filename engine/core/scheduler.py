@@ -208,6 +208,16 @@ class Scheduler:
                 self._schedule_waiting(budget, plan)
         return plan
 
+    def plan_admissions(self, num_decodes: int) -> StepPlan:
+        """The waiting requests the next step takes in beside ``num_decodes`` running requests that decode one token
+        each (their blocks allocated, nothing swapped out, nothing over capacity): ``plan_step``'s last phase alone,
+        for a simulator that keeps the running requests' progress itself (``engine.core.simulator``)."""
+        plan = StepPlan()
+        limit = self.back_off.limit
+        budget = StepBudget(limit.max_num_batched_tokens - num_decodes, limit.max_num_seqs - num_decodes)
+        self._schedule_waiting(budget, plan)
+        return plan
+
     def step_failed(self, output: SchedulerOutput) -> Request | None:
         """The step ``output`` raised and changed nothing: back off. Returns the request the back-off gives up on
         (it failed alone in the smallest step too often), if any; the engine finishes it."""

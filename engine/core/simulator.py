@@ -6,7 +6,10 @@ preemption by swap or recompute chosen by the same policy, which learns from the
 learns from measured ones, prefix caching) and ``engine.core.forecast.advance`` moves it on, as the admission
 forecast does. A step takes what the cost model says for its shape, plus its block moves, plus the faults active at
 its start; a token reaches its client the engine's token latency after the step that sampled it ends. A request
-produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token).
+produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token). While every
+running request only decodes, steps go in one run (``_DecodeRun``) that takes arrivals in through the scheduler's own
+admission phase and keeps the running requests' progress lazily: the same decisions and times at a cost per request
+rather than per request per step.
 
 Faults follow a timeline of windows, each set at its start and cleared at its end as a chaos experiment's rollback
 clears it: the engine's run-time faults (``engine.core.fault_limits.FaultValues``: a KV cap, a swap cap, a slow host
@@ -27,11 +30,13 @@ on, and clients that stall (a client gives up only after its request timeout).
 
 from __future__ import annotations
 
+import gc
 import heapq
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Protocol
 
 from engine.core.admission import AdmissionController, AdmissionLimits, NewRequest
@@ -51,16 +56,28 @@ from engine.core.outputs import (
     StepCosts,
 )
 from engine.core.preemption import PreemptionPolicy
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import Scheduler, StepPlan
 from engine.core.step_cost import StepShape
-
-_remaining_outputs = attrgetter("num_remaining_outputs")
 
 
 class StepCost(Protocol):
     swap_block_s: float
 
     def step_s(self, shape: StepShape) -> float: ...
+
+
+@contextmanager
+def cycle_collection_paused() -> Iterator[None]:
+    """Python's cycle collector off for a simulation: a run makes millions of small objects and no reference cycles
+    (a test checks), so the collector would only walk them again and again, more often the longer the run (13% of
+    a run of a million requests). Everything a run drops is freed by its reference count all the same."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -290,6 +307,113 @@ class SimulationResult:
     end_s: float = 0.0
 
 
+class _DecodeRun:
+    """Decode steps in one go, kept open across arrivals: the simulator's fast path (``Simulation._run_decodes``).
+
+    While every running request decodes one token a step, a step's shape follows from two sums (the run's requests and
+    the KV tokens they hold), and a request's own state matters to the scheduler only where it changes something:
+    where its table needs another block (allocated in the step that needs it, so what is free is exact at every step)
+    and where it gets its last token. A run keeps how many of its steps each request has applied to its own state, and
+    brings a request up to date when it leaves the run or the run closes. Whatever reads the running requests'
+    progress (a step planned by the scheduler, a fault, a client giving up, a snapshot) closes the run first.
+
+    A request in the run needs another block every ``block_size`` steps: the run keeps it in the bucket of the steps
+    that are equal to its next need modulo ``block_size``, so a step finds the requests that need a block at once.
+    That holds for requests whose tables hold just the blocks their KV fills (``fits``)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.block_size = scheduler.kv.block_size
+        # When each step's tokens reached their clients, in order: a request's tokens are a slice of it.
+        self.delivered: list[float] = []
+        # Each request in the run: how many of the run's steps its own state has applied.
+        self.applied: dict[SimulatedRequest, int] = {}
+        self.context = 0  # KV tokens the run's requests hold after its last step
+        # The ids of the requests that need another block in a step, by the step modulo the block size.
+        self.block_needs: list[list[str]] = [[] for _ in range(self.block_size)]
+        self.block_need_of: dict[SimulatedRequest, int] = {}
+        # (step, order, request): the step in which a request gets its last token; ties in the order they joined
+        # (the running queue's order: the order step by step would finish them in).
+        self.last_tokens: list[tuple[int, int, SimulatedRequest]] = []
+        self.order = itertools.count()
+        for request in scheduler.running:
+            self.join(request)
+
+    @staticmethod
+    def fits(request: SimulatedRequest, kv: KVCacheManager) -> bool:
+        """Whether ``request`` decodes one token a step (its prompt done) from a table of just the blocks its KV
+        fills: what a run needs of every request in it."""
+        return request.num_computed_tokens == request.num_tokens - 1 and len(
+            kv.block_ids(request.request_id)
+        ) == num_blocks_for(request.num_computed_tokens, kv.block_size)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.delivered)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.applied)
+
+    def join(self, request: SimulatedRequest) -> None:
+        """``request`` (up to date, and ``fits``) decodes in the run from its next step on."""
+        step, block_size = len(self.delivered), self.block_size
+        self.applied[request] = step
+        self.context += request.num_computed_tokens
+        last_step = step + request.num_remaining_outputs
+        heapq.heappush(self.last_tokens, (last_step, next(self.order), request))
+        # The step whose token its last block has no slot for (within the next block_size steps).
+        first_need = step + 1 + (-request.num_computed_tokens) % block_size
+        if first_need <= last_step:
+            self.block_need_of[request] = first_need % block_size
+            self.block_needs[first_need % block_size].append(request.request_id)
+
+    def allocate_blocks(self, step: int) -> bool:
+        """Give the requests that need another block for ``step`` (the next) their block, as the scheduler would
+        have; False, changing nothing, when the pool lacks them (the scheduler then preempts)."""
+        due = self.block_needs[step % self.block_size]
+        return not due or self.scheduler.kv.append_blocks(due)
+
+    def take_finished(self, step: int) -> list[SimulatedRequest]:
+        """The requests that got their last token in ``step`` (the last), up to date and out of the run."""
+        finished, last_tokens = [], self.last_tokens
+        while last_tokens and last_tokens[0][0] == step:
+            request = heapq.heappop(last_tokens)[2]
+            self._catch_up(request)
+            del self.applied[request]
+            bucket = self.block_need_of.pop(request, None)
+            if bucket is not None:
+                self.block_needs[bucket].remove(request.request_id)
+            self.context -= request.num_computed_tokens
+            finished.append(request)
+        return finished
+
+    def close(self) -> None:
+        for request in self.applied:
+            self._catch_up(request)
+
+    def _catch_up(self, request: SimulatedRequest) -> None:
+        """Apply the run's steps ``request`` has not applied yet: its tokens and their times, and (prefix caching)
+        the blocks they filled, registered as each step would have."""
+        start = self.applied[request]
+        steps = len(self.delivered) - start
+        if not steps:
+            return
+        self.applied[request] = start + steps
+        kv = self.scheduler.kv
+        block_size, computed = kv.block_size, request.num_computed_tokens
+        done = computed + steps
+        if kv.enable_prefix_caching and (done + 1) // block_size != computed // block_size:
+            # Hashes first: a block the run both fills with tokens and computes is registered, as step by step.
+            request.add_invented_outputs(steps, block_size, True)
+            self.scheduler.record_computed(request, steps)
+        else:
+            request.num_computed_tokens = done
+            request.num_tokens += steps
+        request.num_remaining_outputs -= steps
+        request.token_times_s.extend(self.delivered[start:])
+
+
 class Simulation:
     """One run of ``engine`` under ``arrivals`` and ``faults``; ``run`` returns what every request saw. A fleet
     (``engine.core.fleet``) drives it request by request instead: ``advance_until``, ``submit``, ``finish``."""
@@ -319,8 +443,9 @@ class Simulation:
         self.keep_steps = keep_steps
         # After every step, the block and queue invariants the engine's debug flag checks (tests).
         self.check_invariants = check_invariants
-        # Runs of decode-only steps in one go (``_decode_run``); off, every step is planned on its own (tests).
+        # Runs of decode steps in one go (``_run_decodes``); off, every step is planned on its own (tests).
         self.fast_forward = fast_forward
+        self.decode_run: _DecodeRun | None = None
         # (time, order, window, starts): the timeline's boundaries in order; a clear before a set at one instant.
         self.boundaries = sorted(
             [(w.start_s, 1, i, w, True) for i, w in enumerate(faults)]
@@ -350,15 +475,16 @@ class Simulation:
         nothing left to do."""
         pending = [(arrival.at_s, arrival.index, arrival) for arrival in self.arrivals]
         heapq.heapify(pending)
-        while True:
-            self.advance_until(pending[0][0] if pending else math.inf)
-            if self.answered_turns:
-                for follow_up in self.take_follow_ups():
-                    heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
-                continue
-            if not pending:
-                return self.finish()
-            self.submit(SimulatedRequest(heapq.heappop(pending)[2]))
+        with cycle_collection_paused():
+            while True:
+                self.advance_until(pending[0][0] if pending else math.inf)
+                if self.answered_turns:
+                    for follow_up in self.take_follow_ups():
+                        heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
+                    continue
+                if not pending:
+                    return self.finish()
+                self.submit(SimulatedRequest(heapq.heappop(pending)[2]))
 
     def take_follow_ups(self) -> list[SimulatedArrival]:
         """The next turns of the sessions whose turns were answered since the last call."""
@@ -377,8 +503,11 @@ class Simulation:
         while True:
             # Not past ``until_s``: a request arriving then, before a kill, was streaming when the kill came.
             self._cross_boundaries(min(self.t, until_s))
-            while self.deadlines and self.deadlines[0][0] <= self.t:
-                self._time_out(heapq.heappop(self.deadlines)[2])
+            # Most deadlines are of requests that ended long before: those go as they come to the top, so that
+            # ``later`` is a deadline that can still come.
+            deadlines = self.deadlines
+            while deadlines and (deadlines[0][0] <= self.t or deadlines[0][2].outcome is not None):
+                self._time_out(heapq.heappop(deadlines)[2])
             if self.t >= until_s:
                 return
             busy = self.scheduler.has_unfinished_requests()
@@ -386,7 +515,11 @@ class Simulation:
             if busy and self.deadlines:
                 later = min(later, self.deadlines[0][0])
             if busy:
-                duration_s = (self.fast_forward and self._decode_run(self.t, later)) or self._step(self.t)
+                if self.fast_forward and self._run_decodes(later):
+                    if self.answered_turns:
+                        return
+                    continue
+                duration_s = self._step(self.t)
                 if duration_s:
                     self.t += duration_s
                     self.last_event_s = self.t
@@ -407,6 +540,7 @@ class Simulation:
             heapq.heappush(self.deadlines, (deadline_s, request.arrival.index, request))
 
     def finish(self) -> SimulationResult:
+        self._close_decode_run()
         for request in list(self.scheduler.requests.values()):  # nothing left could ever run them
             self._time_out(request)
         self.result.end_s = self.last_event_s
@@ -427,118 +561,133 @@ class Simulation:
 
     # ---- steps --------------------------------------------------------------------------------
 
-    def _decode_run(self, t: float, until_s: float) -> float:
-        """Many steps at once, where each of them would decode one token of every running request and nothing else
-        can happen between them: nothing waits or is swapped out, the batch limits hold every running request, no
-        fault fails a step, and the pool has the blocks the run needs (so none is preempted). A request that gets
-        its last token leaves the batch and the run goes on without it (with nothing waiting, the blocks it frees
-        change no decision). The run ends at the step in which ``until_s`` (an arrival, a fault's boundary, a
-        client's deadline) passes, or when every request in it is done. The same decisions and times as planning
-        each step (a test compares them), at a cost per run instead of per token. Returns its duration, 0 when it
-        does not apply."""
+    def _run_decodes(self, until_s: float) -> bool:
+        """Steps of the open decode run (``_DecodeRun``, opened if none is and one can be), until the clock reaches
+        ``until_s`` (the step in progress may end after it), a turn of a session ends, or the run cannot go on (it
+        is then closed): a running request needs a block the pool lacks, a waiting one is taken in only in part,
+        or one waits where a step must be planned on its own (admission decides arrivals on the engine's snapshot
+        between steps; an out-of-memory fault prices the whole batch). The same decisions and times as planning
+        each step (tests compare them), at a cost per request instead of per request per step. False when no
+        step ran."""
         scheduler, faults = self.scheduler, self.faults
-        running = scheduler.running
-        limit = scheduler.back_off.limit
-        num_rows = len(running)
-        if (
-            scheduler.waiting
-            or scheduler.swapped
-            or scheduler.back_off.is_backing_off
-            or num_rows > min(limit.max_num_seqs, limit.max_num_batched_tokens)
-            or faults.fail_next_steps
-            or (faults.oom_above_batched_tokens is not None and num_rows > faults.oom_above_batched_tokens)
-            or scheduler.kv.device_pool.num_over_capacity
-        ):
-            return 0.0
-        context = 0
-        for request in running:
-            if request.num_computed_tokens != request.num_tokens - 1:  # a prompt (or a recompute) is not done
-                return 0.0
-            context += request.num_computed_tokens
-        # Requests by the step in which they get their last token.
-        rows = sorted(running, key=_remaining_outputs)
-        max_steps = self._steps_with_blocks(rows[-1].num_remaining_outputs)
-        if max_steps < 2:
-            return 0.0
-        cost, step_delay, latency_s = self.engine.cost, faults.step_delay, self.engine.token_latency_s
-        elapsed_s, delivered, num_done = 0.0, [], 0
-        admission = self.admission
-        for step in range(1, max_steps + 1):
-            context += num_rows  # each decode attends to its whole context, the new token's own key included
-            step_s = cost.step_s(StepShape(0, num_rows, context, context)) + step_delay
-            if admission is not None:
-                # An arrival during a step is decided on the snapshot from before it: that step is planned alone.
-                if t + elapsed_s + step_s > until_s:
-                    break
-                admission.observe_step(0, num_rows, step_s)
-            elapsed_s += step_s
-            delivered.append(t + elapsed_s + latency_s)
-            while num_done < len(rows) and rows[num_done].num_remaining_outputs == step:
-                context -= rows[num_done].num_computed_tokens + step
-                num_rows -= 1
-                num_done += 1
-            # With sessions, a turn's end is where its next turn is sent from.
-            if t + elapsed_s >= until_s or not num_rows or (num_done and self.has_sessions):
+        run = self.decode_run
+        if run is None:
+            if not self._can_run_decodes():
+                return False
+            run = self.decode_run = _DecodeRun(scheduler)
+        # Every step of every run goes through this loop: what it calls is looked up once.
+        step_s_of, step_delay, latency_s = self.engine.cost.step_s, faults.step_delay, self.engine.token_latency_s
+        allocate_blocks, take_finished, delivered = run.allocate_blocks, run.take_finished, run.delivered
+        waiting, admission, t = scheduler.waiting, self.admission, self.t
+        stays_open = admission is None
+        first_step = step = run.num_steps + 1
+        while t < until_s:
+            num_rows = len(run.applied)
+            context = run.context + num_rows  # each decode attends to its whole context, its new token's key included
+            if waiting and (admission is not None or faults.oom_above_batched_tokens is not None):
+                stays_open = False
                 break
-        num_steps = len(delivered)
-        if not num_steps:
-            return 0.0
-        self._begin_step(t)
-        kv = scheduler.kv
-        block_size, hashed, allocate_slots = kv.block_size, kv.enable_prefix_caching, kv.allocate_slots
-        for request in rows:
-            computed, remaining = request.num_computed_tokens, request.num_remaining_outputs
-            steps = num_steps if num_steps < remaining else remaining
-            done = computed + steps
-            # The scheduler's own calls where they change something (most rows in a short run need none): where a
-            # block of its table starts, and (prefix caching) where its KV fills a block or its tokens fill one (which
-            # so gets a hash).
-            if (done - 1) // block_size != (computed - 1) // block_size:
-                allocate_slots(request.request_id, done)
-            if hashed and (done + 1) // block_size != computed // block_size:
-                # Hashes first: a block the run both fills with tokens and computes is registered, as step by step.
-                request.add_invented_outputs(steps, block_size, hashed)
-                scheduler.record_computed(request, steps)
-            else:
-                request.num_computed_tokens = done
-                request.num_tokens += steps
-            request.num_remaining_outputs = remaining - steps
-            request.token_times_s.extend(delivered if steps == num_steps else delivered[:steps])
-            if remaining == steps:
+            shape = StepShape(0, num_rows, context, context)
+            # An arrival during a step is decided on the snapshot from before it: that step is planned alone.
+            if admission is not None and t + step_s_of(shape) + step_delay > until_s:
+                break
+            if not allocate_blocks(step):
+                stays_open = False
+                break
+            admitted = scheduler.plan_admissions(num_rows).batch if waiting else None
+            if admitted:
+                prefill = StepShape.of_batch([(request.num_computed_tokens, n) for request, n in admitted])
+                shape = StepShape(
+                    prefill.num_prefill_tokens,
+                    prefill.num_decodes + num_rows,
+                    prefill.num_context_tokens + context,
+                    prefill.num_attended_pairs + context,
+                )
+            elif not num_rows:  # nothing runs, nothing can come in: idle, or a cap holds it back
+                stays_open = False
+                break
+            step_s = step_s_of(shape) + step_delay
+            if step == 1:
+                self._begin_step(t)
+            t += step_s
+            delivered.append(t + latency_s)
+            run.context = context
+            if admission is not None:
+                admission.observe_step(0, num_rows, step_s)
+            finished = take_finished(step)
+            for request in finished:
                 scheduler.finish_request(request.request_id, FinishReason.LENGTH)
                 self._end(request, Outcome.OK)
-        scheduler.back_off.on_success()
-        self.result.num_steps += num_steps
-        self._end_step()
-        if self.check_invariants:
-            scheduler.check_invariants()
-        if self.keep_steps:
-            self._sample(t + elapsed_s)
-        return elapsed_s
+            if admitted:
+                stays_open = self._take_in(run, admitted, num_rows, shape, step_s, t + latency_s) and stays_open
+            step += 1
+            if finished or admitted:
+                if self.check_invariants:
+                    scheduler.check_invariants()
+                if self.keep_steps:
+                    self._sample(t)
+                if not stays_open or (finished and self.has_sessions):  # a turn's end sends the next turn
+                    break
+        self.t = t
+        ran = step > first_step
+        if ran:
+            self.result.num_steps += step - first_step
+            self.last_event_s = t
+        if not stays_open or not ran:
+            self._close_decode_run()
+        return ran
 
-    def _steps_with_blocks(self, max_steps: int) -> int:
-        """The most decode steps (up to ``max_steps``) in which no running request lacks a block (counting none of
-        the blocks that requests finishing meanwhile give back)."""
-        kv = self.scheduler.kv
-        block_size, free = kv.block_size, kv.device_pool.num_free_blocks
-        if free >= len(self.scheduler.running) * (max_steps // block_size + 1):  # a block per row per block of steps
-            return max_steps
-        tables = [
-            (r.num_computed_tokens, r.num_remaining_outputs, len(kv.block_ids(r.request_id)))
-            for r in self.scheduler.running
-        ]
+    def _can_run_decodes(self) -> bool:
+        """Whether a decode run can start: every running request ``fits`` one, nothing is swapped out, the batch
+        limits hold every running request, and no fault fails a step or takes blocks."""
+        scheduler, faults = self.scheduler, self.faults
+        running, limit = scheduler.running, scheduler.back_off.limit
+        if (
+            scheduler.swapped
+            or scheduler.back_off.is_backing_off
+            or len(running) > min(limit.max_num_seqs, limit.max_num_batched_tokens)
+            or faults.fail_next_steps
+            or (faults.oom_above_batched_tokens is not None and len(running) > faults.oom_above_batched_tokens)
+            or scheduler.kv.device_pool.num_over_capacity
+        ):
+            return False
+        kv = scheduler.kv
+        return all(_DecodeRun.fits(request, kv) for request in running)
 
-        def blocks_needed(num_steps: int) -> int:
-            return sum(
-                max(0, -(-(computed + min(num_steps, remaining)) // block_size) - held)
-                for computed, remaining, held in tables
-            )
+    def _take_in(
+        self,
+        run: _DecodeRun,
+        admitted: list[tuple[SimulatedRequest, int]],
+        num_rows: int,
+        shape: StepShape,
+        step_s: float,
+        delivered_s: float,
+    ) -> bool:
+        """The requests a run's step took in computed their share of it (a prompt done samples its first token and
+        decodes in the run from the next step on). False when one of them has more of its prompt to compute: the
+        run closes, and that is planned step by step."""
+        num_batched_tokens = num_rows + sum(num_new for _, num_new in admitted)
+        if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
+            self.scheduler.preemption_policy.observe_prefill(num_batched_tokens, step_s)
+        sampled = advance(self.scheduler, StepPlan(batch=admitted))
+        for request in sampled:
+            request.token_times_s.append(delivered_s)
+            if request.num_remaining_outputs <= 0:
+                self._end(request, Outcome.OK)
+            else:
+                run.join(request)
+        return len(sampled) == len(admitted)
 
-        low, high = 0, max_steps  # blocks_needed grows with the steps: the largest that fits
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if blocks_needed(middle) <= free else (low, middle - 1)
-        return low
+    def _close_decode_run(self) -> None:
+        """Bring every request of the open decode run (if any) up to date: the scheduler's state is whole again."""
+        run, self.decode_run = self.decode_run, None
+        if run is None:
+            return
+        run.close()
+        if run.num_steps:
+            self._end_step()
+            if self.check_invariants:
+                self.scheduler.check_invariants()
 
     def _step(self, t: float) -> float:
         """Plan and run one step starting at ``t``; its duration, or 0 when nothing could be scheduled."""
@@ -670,6 +819,7 @@ class Simulation:
     def _time_out(self, request: SimulatedRequest) -> None:
         if request.outcome is not None:
             return
+        self._close_decode_run()
         self.last_event_s = max(self.last_event_s, self.t)
         self.scheduler.abort_request(request.request_id)
         self._end(request, Outcome.CLIENT_TIMEOUT, f"no end within the request timeout ({self.request_timeout_s:g} s)")
@@ -683,6 +833,7 @@ class Simulation:
 
     def _cross(self, boundary: tuple[float, int, int, FaultWindow, bool]) -> None:
         _, _, _, window, starts = boundary
+        self._close_decode_run()
         if window.changes is None:
             if starts:
                 self._kill(window)

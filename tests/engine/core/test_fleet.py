@@ -4,6 +4,7 @@ they say, and a fault hits only the replicas it names."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import random
 
 import pytest
@@ -150,3 +151,30 @@ def test_session_affinity_keeps_a_conversation_on_one_replica_and_its_cache():
 
     # Later turns find the conversation before them; scattered over the replicas, they mostly do not.
     assert cached(runs["session-affinity"][1]) > 1.5 * cached(runs["least-outstanding"][1])
+
+
+def test_a_fleet_run_leaves_nothing_for_the_cycle_collector_it_pauses():
+    # A run pauses Python's cycle collector (simulator.cycle_collection_paused): what it makes must go by reference
+    # counts alone, or a long run would keep every cycle it made until the collector came back.
+    def simulate() -> None:
+        faults = [
+            (FaultWindow("kill", 2.0, 2.5, None), [0]),
+            (FaultWindow("cap", 1.0, 4.0, {"kv_cap": {"fraction": 0.3}}), [1]),
+        ]
+        fleet = Fleet(engine(300), 3, "session-affinity", faults, admission=AdmissionLimits(ttft_slo_s=2.0))
+        singles = [
+            dataclasses.replace(arrival, index=1000 + arrival.index)  # apart from the sessions' request indices
+            for arrival in poisson(40, rate=10, prompt=(16, 300), output=(1, 100))
+        ]
+        requests = fleet.run(singles, conversations(8, turns=3))
+        assert {request.outcome for request in requests} >= {Outcome.OK, Outcome.BROKEN_STREAM}
+
+    was_enabled = gc.isenabled()
+    gc.disable()  # so that no automatic collection takes the cycles away before the count
+    try:
+        gc.collect()
+        simulate()
+        assert gc.collect() == 0, "the run left reference cycles"
+    finally:
+        if was_enabled:
+            gc.enable()

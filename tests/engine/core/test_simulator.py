@@ -227,24 +227,41 @@ def test_a_bad_fault_value_is_refused_when_the_timeline_is_built(changes, messag
 
 
 @pytest.mark.parametrize(
-    ("num_blocks", "mode", "faults"),
+    ("num_blocks", "mode", "faults", "config", "admission"),
     [
-        (2000, PreemptionMode.AUTO, []),
-        (150, PreemptionMode.AUTO, []),
+        (2000, PreemptionMode.AUTO, [], {}, None),
+        (150, PreemptionMode.AUTO, [], {}, None),
         # Recomputed requests find the blocks of their own outputs cached: when a run registers them matters.
-        (150, PreemptionMode.RECOMPUTE, []),
-        (400, PreemptionMode.SWAP, [FaultWindow("kv_cap", 3.0, 9.0, {"kv_cap": {"fraction": 0.3}})]),
+        (150, PreemptionMode.RECOMPUTE, [], {}, None),
+        (400, PreemptionMode.SWAP, [FaultWindow("kv_cap", 3.0, 9.0, {"kv_cap": {"fraction": 0.3}})], {}, None),
         (
             1000,
             PreemptionMode.AUTO,
             [FaultWindow("step_delay", 2.0, 4.0, {"step_delay": 0.05}), FaultWindow("kill", 6.0, 7.0, None)],
+            {},
+            None,
         ),
+        # Prompts longer than a step's budget: a run takes one in part, and closes.
+        (1000, PreemptionMode.AUTO, [], {"max_num_batched_tokens": 160}, None),
+        # Out-of-memory steps above 300 tokens for a while: a run plans no prefill during it.
+        (1000, PreemptionMode.AUTO, [FaultWindow("oom", 2.0, 5.0, {"oom_above_batched_tokens": 300})], {}, None),
+        # Admission decides each arrival on what the engine published: a run ends at every arrival.
+        (300, PreemptionMode.AUTO, [], {}, AdmissionLimits(ttft_slo_s=1.0)),
     ],
 )
-def test_runs_of_decode_steps_in_one_go_decide_and_time_exactly_as_step_by_step(num_blocks, mode, faults):
+def test_runs_of_decode_steps_in_one_go_decide_and_time_exactly_as_step_by_step(
+    num_blocks, mode, faults, config, admission
+):
     arrivals = poisson(150, rate=12, prompt=(16, 400), output=(1, 300), seed=5)
     runs = [
-        Simulation(engine(num_blocks, mode), arrivals, faults, check_invariants=True, fast_forward=on).run()
+        Simulation(
+            engine(num_blocks, mode, **config),
+            arrivals,
+            faults,
+            check_invariants=True,
+            fast_forward=on,
+            admission=admission,
+        ).run()
         for on in (False, True)
     ]
     step_by_step, fast = runs
@@ -254,6 +271,7 @@ def test_runs_of_decode_steps_in_one_go_decide_and_time_exactly_as_step_by_step(
     assert fast.end_s == pytest.approx(step_by_step.end_s, rel=1e-9)
     for slow_request, fast_request in zip(step_by_step.requests, fast.requests, strict=True):
         assert fast_request.outcome == slow_request.outcome
+        assert fast_request.num_cached_tokens == slow_request.num_cached_tokens
         assert fast_request.token_times_s == pytest.approx(slow_request.token_times_s, rel=1e-9, abs=1e-9)
     assert len(fast.steps) < len(step_by_step.steps), "some decode runs went in one go"
 
