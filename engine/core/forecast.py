@@ -13,14 +13,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.core.block_hash import ROOT_HASH, hash_block
 from engine.core.block_pool import BlockPool
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import EngineInfo, EngineSnapshot, FinishReason, RemainingWork
+from engine.core.outputs import EngineInfo, EngineSnapshot, RemainingWork
 from engine.core.preemption import PreemptionPolicy
 from engine.core.request import RequestStatus
-from engine.core.scheduler import Scheduler, StepPlan
+from engine.core.scheduler import Scheduler
 from engine.core.step_back_off import BatchLimit
+from engine.core.virtual_run import DecodeRun, VirtualRequest, advance
 
 # Seconds one step takes, given its prefill tokens and its decodes.
 StepTime = Callable[[int, int], float]
@@ -40,54 +40,6 @@ class Forecast:
     queue_s: float
     ttft_s: float
     tpot_s: float | None
-
-
-class ForecastRequest:
-    """A request as the forecast's scheduler sees it (``engine.core.scheduler.SchedulableRequest``)."""
-
-    __slots__ = (
-        "block_hashes",
-        "finish_reason",
-        "first_scheduled_ts",
-        "max_num_tokens",
-        "num_cached_tokens",
-        "num_computed_tokens",
-        "num_preemptions",
-        "num_remaining_outputs",
-        "num_tokens",
-        "place_in_line_ts",
-        "request_id",
-        "status",
-        "submission_index",
-    )
-
-    def __init__(self, request_id: str, work: RemainingWork) -> None:
-        self.request_id = request_id
-        self.num_tokens = work.num_tokens
-        self.num_computed_tokens = work.num_computed_tokens
-        self.num_remaining_outputs = work.num_remaining_outputs
-        self.max_num_tokens = work.num_tokens + work.num_remaining_outputs
-        self.place_in_line_ts = work.place_in_line_ts
-        self.status = RequestStatus.WAITING
-        self.finish_reason: FinishReason | None = None
-        self.submission_index = 0
-        self.num_preemptions = 0
-        self.first_scheduled_ts: float | None = None
-        self.block_hashes = list(work.block_hashes)
-        self.num_cached_tokens: int | None = None
-
-    def add_invented_outputs(self, count: int, block_size: int, hashed: bool) -> None:
-        """``count`` more output tokens, whose values the forecast cannot know. With ``hashed`` (prefix caching on),
-        a block they fill gets a hash of its own all the same: no other request shares it, but a recompute of this
-        one finds it cached, as in the engine."""
-        num_full_before = self.num_tokens // block_size
-        self.num_tokens += count
-        if not hashed or self.num_tokens // block_size == num_full_before:  # most calls: no block filled
-            return
-        for num_full in range(num_full_before + 1, self.num_tokens // block_size + 1):
-            if len(self.block_hashes) == num_full - 1:
-                parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
-                self.block_hashes.append(hash_block(parent, (), f"invented {self.request_id}".encode()))
 
 
 def scheduler_from_snapshot(snapshot: EngineSnapshot, info: EngineInfo) -> Scheduler:
@@ -117,11 +69,15 @@ def forecast(
     elapsed_s: float = 0.0,
     horizon_s: float = FORECAST_HORIZON_S,
     tpot_decodes: int = TPOT_DECODES,
+    fast_forward: bool = True,
 ) -> Forecast:
     """Run the scheduler from ``snapshot``: a step on the snapshot's queues and ``in_engine`` (requests the engine
     took since the snapshot) started ``elapsed_s`` ago; ``arriving`` (submitted, not taken yet) and the ``new``
     request join the waiting queue from the next step on, each at its place in line. The TPOT is predicted over the
-    new request's first ``tpot_decodes`` decodes (0: not predicted, the forecast ends at its first token)."""
+    new request's first ``tpot_decodes`` decodes (0: not predicted, the forecast ends at its first token).
+
+    Where every running request only decodes, steps go in a ``DecodeRun``: the same decisions and times at a cost per
+    request rather than per request per step (``fast_forward`` off: every step planned on its own, for tests)."""
     scheduler = scheduler_from_snapshot(snapshot, info)
     names = (str(index) for index in range(1 << 62))
     for status, works in (
@@ -130,32 +86,57 @@ def forecast(
         (RequestStatus.WAITING, (*snapshot.waiting_work, *in_engine)),
     ):
         for work in works:
-            scheduler.restore_request(ForecastRequest(next(names), work), status, work.num_blocks, work.table_hashes)
+            scheduler.restore_request(VirtualRequest(next(names), work), status, work.num_blocks, work.table_hashes)
     scheduler.kv.restore_evictable(snapshot.evictable_block_hashes)
-    later = [ForecastRequest(next(names), work) for work in arriving]
-    new_request = ForecastRequest(next(names), new)
+    later = [VirtualRequest(next(names), work) for work in arriving]
+    new_request = VirtualRequest(next(names), new)
     later.append(new_request)
     if not scheduler.has_unfinished_requests():  # an idle engine runs no step now: the new one is in the next
         _add_all(scheduler, later)
     t = -elapsed_s if later else 0.0
     queue_s = ttft_s = None
     decode_steps: list[float] = []
+    run: DecodeRun | None = None
     for step in range(FORECAST_MAX_STEPS):
         if step == 1 and later:
             _add_all(scheduler, later)
             t = max(t, 0.0)  # the step in progress may be late
-        plan = scheduler.plan_step()
-        num_decodes = sum(1 for _, num_new in plan.batch if num_new == 1)
-        duration_s = step_time(plan.num_batched_tokens - num_decodes, num_decodes)
-        if queue_s is None and any(request is new_request for request, _ in plan.batch):
+        if run is None and fast_forward and DecodeRun.can_start(scheduler):
+            run = DecodeRun(scheduler)
+        planned = run.plan() if run is not None else None
+        if planned is not None:
+            batch, num_prefill_tokens, num_decodes = (
+                planned.batch,
+                planned.shape.num_prefill_tokens,
+                planned.shape.num_decodes,
+            )
+        else:
+            if run is not None:
+                run.close()
+                run = None
+            plan = scheduler.plan_step()
+            batch = plan.batch
+            num_decodes = sum(1 for _, num_new in batch if num_new == 1)
+            num_prefill_tokens = plan.num_batched_tokens - num_decodes
+        duration_s = step_time(num_prefill_tokens, num_decodes)
+        if queue_s is None and any(request is new_request for request, _ in batch):
             queue_s = max(t, 0.0)
         t += duration_s
-        if new_request in advance(scheduler, plan):
+        if run is not None:
+            decoding = new_request in run.applied  # a row of the run's step
+            outcome = run.commit(planned, t)
+            if outcome.must_close:
+                run.close()
+                run = None
+            sampled_new = decoding or new_request in outcome.sampled
+        else:
+            sampled_new = new_request in advance(scheduler, plan)
+        if sampled_new:
             if ttft_s is None:
                 ttft_s = t
             else:
                 decode_steps.append(duration_s)
-        new_finished = new_request.num_remaining_outputs <= 0
+        new_finished = new_request.status is RequestStatus.FINISHED
         if (ttft_s is not None and (len(decode_steps) >= tpot_decodes or new_finished)) or t > horizon_s:
             break
     return Forecast(
@@ -165,29 +146,7 @@ def forecast(
     )
 
 
-def _add_all(scheduler: Scheduler, requests: list[ForecastRequest]) -> None:
+def _add_all(scheduler: Scheduler, requests: list[VirtualRequest]) -> None:
     for request in requests:
         scheduler.add_request(request)
     requests.clear()
-
-
-def advance(scheduler: Scheduler, plan: StepPlan) -> list[ForecastRequest]:
-    """The step ran as planned: each request in it computed its tokens, and one that caught up sampled an output
-    (finishing after its last). Returns those that sampled one, in batch order."""
-    scheduler.back_off.on_success()
-    record_computed, block_size, hashed = (
-        scheduler.record_computed,
-        scheduler.kv.block_size,
-        scheduler.kv.enable_prefix_caching,
-    )
-    sampled = []
-    for request, num_new in plan.batch:
-        record_computed(request, num_new)
-        if request.num_computed_tokens < request.num_tokens:
-            continue
-        sampled.append(request)
-        request.add_invented_outputs(1, block_size, hashed)
-        request.num_remaining_outputs -= 1
-        if request.num_remaining_outputs <= 0:
-            scheduler.finish_request(request.request_id, FinishReason.LENGTH)
-    return sampled

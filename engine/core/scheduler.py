@@ -208,13 +208,31 @@ class Scheduler:
                 self._schedule_waiting(budget, plan)
         return plan
 
-    def plan_admissions(self, num_decodes: int) -> StepPlan:
-        """The waiting requests the next step takes in beside ``num_decodes`` running requests that decode one token
-        each (their blocks allocated, nothing swapped out, nothing over capacity): ``plan_step``'s last phase alone,
-        for a simulator that keeps the running requests' progress itself (``engine.core.simulator``)."""
+    def plan_run_step(
+        self, num_decodes: int, growing: list[str], prefilling: SchedulableRequest | None
+    ) -> StepPlan | None:
+        """The next step as ``plan_step`` plans it, for a run of decode steps that keeps the running requests'
+        progress itself (``engine.core.virtual_run``), with nothing swapped out or over capacity: ``num_decodes``
+        running requests decode one token each (those in ``growing`` need another block for it), then
+        ``prefilling``, the newest running request, computes what the budget leaves of its prompt, then waiting
+        requests come in. The plan's batch holds ``prefilling`` and those; None, changing nothing, when the pool
+        lacks the running requests' blocks (``plan_step`` would preempt)."""
         plan = StepPlan()
         limit = self.back_off.limit
         budget = StepBudget(limit.max_num_batched_tokens - num_decodes, limit.max_num_seqs - num_decodes)
+        num_new = 0
+        if prefilling is not None and budget.tokens > 0 and budget.seats > 0:
+            num_new = self._num_new_tokens(prefilling.num_tokens - prefilling.num_computed_tokens, budget.tokens)
+        kv = self.kv
+        if num_new:
+            total = num_blocks_for(prefilling.num_computed_tokens + num_new, kv.block_size)
+            if len(growing) + total - len(kv.block_ids(prefilling.request_id)) > kv.device_pool.num_free_blocks:
+                return None
+        if growing and not kv.append_blocks(growing):
+            return None
+        if num_new:
+            kv.allocate_slots(prefilling.request_id, prefilling.num_computed_tokens + num_new)
+            self._schedule(prefilling, num_new, budget, plan)
         self._schedule_waiting(budget, plan)
         return plan
 

@@ -7,9 +7,9 @@ learns from measured ones, prefix caching) and ``engine.core.forecast.advance`` 
 forecast does. A step takes what the cost model says for its shape, plus its block moves, plus the faults active at
 its start; a token reaches its client the engine's token latency after the step that sampled it ends. A request
 produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token). While every
-running request only decodes, steps go in one run (``_DecodeRun``) that takes arrivals in through the scheduler's own
-admission phase and keeps the running requests' progress lazily: the same decisions and times at a cost per request
-rather than per request per step.
+running request only decodes, steps go in one run (``engine.core.virtual_run.DecodeRun``) that takes arrivals in
+through the scheduler's own admission phase and keeps the running requests' progress lazily: the same decisions and
+times at a cost per request rather than per request per step.
 
 Faults follow a timeline of windows, each set at its start and cleared at its end as a chaos experiment's rollback
 clears it: the engine's run-time faults (``engine.core.fault_limits.FaultValues``: a KV cap, a swap cap, a slow host
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,7 +43,6 @@ from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.fault_limits import FaultValues
-from engine.core.forecast import ForecastRequest, advance
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import (
     PROBE_DECODE_ROWS,
@@ -56,8 +54,9 @@ from engine.core.outputs import (
     StepCosts,
 )
 from engine.core.preemption import PreemptionPolicy
-from engine.core.scheduler import Scheduler, StepPlan
+from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
+from engine.core.virtual_run import DecodeRun, RunStep, RunStepOutcome, VirtualRequest, advance
 
 
 class StepCost(Protocol):
@@ -260,7 +259,7 @@ class Outcome:
     CLIENT_TIMEOUT = "client_timeout"
 
 
-class SimulatedRequest(ForecastRequest):
+class SimulatedRequest(VirtualRequest):
     """A request with what its client would see: when each token arrived and how it ended."""
 
     __slots__ = ("arrival", "error", "model_ttft_s", "outcome", "token_times_s")
@@ -307,111 +306,8 @@ class SimulationResult:
     end_s: float = 0.0
 
 
-class _DecodeRun:
-    """Decode steps in one go, kept open across arrivals: the simulator's fast path (``Simulation._run_decodes``).
-
-    While every running request decodes one token a step, a step's shape follows from two sums (the run's requests and
-    the KV tokens they hold), and a request's own state matters to the scheduler only where it changes something:
-    where its table needs another block (allocated in the step that needs it, so what is free is exact at every step)
-    and where it gets its last token. A run keeps how many of its steps each request has applied to its own state, and
-    brings a request up to date when it leaves the run or the run closes. Whatever reads the running requests'
-    progress (a step planned by the scheduler, a fault, a client giving up, a snapshot) closes the run first.
-
-    A request in the run needs another block every ``block_size`` steps: the run keeps it in the bucket of the steps
-    that are equal to its next need modulo ``block_size``, so a step finds the requests that need a block at once.
-    That holds for requests whose tables hold just the blocks their KV fills (``fits``)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.block_size = scheduler.kv.block_size
-        # When each step's tokens reached their clients, in order: a request's tokens are a slice of it.
-        self.delivered: list[float] = []
-        # Each request in the run: how many of the run's steps its own state has applied.
-        self.applied: dict[SimulatedRequest, int] = {}
-        self.context = 0  # KV tokens the run's requests hold after its last step
-        # The ids of the requests that need another block in a step, by the step modulo the block size.
-        self.block_needs: list[list[str]] = [[] for _ in range(self.block_size)]
-        self.block_need_of: dict[SimulatedRequest, int] = {}
-        # (step, order, request): the step in which a request gets its last token; ties in the order they joined
-        # (the running queue's order: the order step by step would finish them in).
-        self.last_tokens: list[tuple[int, int, SimulatedRequest]] = []
-        self.order = itertools.count()
-        for request in scheduler.running:
-            self.join(request)
-
-    @staticmethod
-    def fits(request: SimulatedRequest, kv: KVCacheManager) -> bool:
-        """Whether ``request`` decodes one token a step (its prompt done) from a table of just the blocks its KV
-        fills: what a run needs of every request in it."""
-        return request.num_computed_tokens == request.num_tokens - 1 and len(
-            kv.block_ids(request.request_id)
-        ) == num_blocks_for(request.num_computed_tokens, kv.block_size)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.delivered)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.applied)
-
-    def join(self, request: SimulatedRequest) -> None:
-        """``request`` (up to date, and ``fits``) decodes in the run from its next step on."""
-        step, block_size = len(self.delivered), self.block_size
-        self.applied[request] = step
-        self.context += request.num_computed_tokens
-        last_step = step + request.num_remaining_outputs
-        heapq.heappush(self.last_tokens, (last_step, next(self.order), request))
-        # The step whose token its last block has no slot for (within the next block_size steps).
-        first_need = step + 1 + (-request.num_computed_tokens) % block_size
-        if first_need <= last_step:
-            self.block_need_of[request] = first_need % block_size
-            self.block_needs[first_need % block_size].append(request.request_id)
-
-    def allocate_blocks(self, step: int) -> bool:
-        """Give the requests that need another block for ``step`` (the next) their block, as the scheduler would
-        have; False, changing nothing, when the pool lacks them (the scheduler then preempts)."""
-        due = self.block_needs[step % self.block_size]
-        return not due or self.scheduler.kv.append_blocks(due)
-
-    def take_finished(self, step: int) -> list[SimulatedRequest]:
-        """The requests that got their last token in ``step`` (the last), up to date and out of the run."""
-        finished, last_tokens = [], self.last_tokens
-        while last_tokens and last_tokens[0][0] == step:
-            request = heapq.heappop(last_tokens)[2]
-            self._catch_up(request)
-            del self.applied[request]
-            bucket = self.block_need_of.pop(request, None)
-            if bucket is not None:
-                self.block_needs[bucket].remove(request.request_id)
-            self.context -= request.num_computed_tokens
-            finished.append(request)
-        return finished
-
-    def close(self) -> None:
-        for request in self.applied:
-            self._catch_up(request)
-
-    def _catch_up(self, request: SimulatedRequest) -> None:
-        """Apply the run's steps ``request`` has not applied yet: its tokens and their times, and (prefix caching)
-        the blocks they filled, registered as each step would have."""
-        start = self.applied[request]
-        steps = len(self.delivered) - start
-        if not steps:
-            return
-        self.applied[request] = start + steps
-        kv = self.scheduler.kv
-        block_size, computed = kv.block_size, request.num_computed_tokens
-        done = computed + steps
-        if kv.enable_prefix_caching and (done + 1) // block_size != computed // block_size:
-            # Hashes first: a block the run both fills with tokens and computes is registered, as step by step.
-            request.add_invented_outputs(steps, block_size, True)
-            self.scheduler.record_computed(request, steps)
-        else:
-            request.num_computed_tokens = done
-            request.num_tokens += steps
-        request.num_remaining_outputs -= steps
-        request.token_times_s.extend(self.delivered[start:])
+def _record_tokens(request: SimulatedRequest, delivered_s: list[float]) -> None:
+    request.token_times_s.extend(delivered_s)
 
 
 class Simulation:
@@ -445,7 +341,7 @@ class Simulation:
         self.check_invariants = check_invariants
         # Runs of decode steps in one go (``_run_decodes``); off, every step is planned on its own (tests).
         self.fast_forward = fast_forward
-        self.decode_run: _DecodeRun | None = None
+        self.decode_run: DecodeRun | None = None
         # (time, order, window, starts): the timeline's boundaries in order; a clear before a set at one instant.
         self.boundaries = sorted(
             [(w.start_s, 1, i, w, True) for i, w in enumerate(faults)]
@@ -562,121 +458,80 @@ class Simulation:
     # ---- steps --------------------------------------------------------------------------------
 
     def _run_decodes(self, until_s: float) -> bool:
-        """Steps of the open decode run (``_DecodeRun``, opened if none is and one can be), until the clock reaches
-        ``until_s`` (the step in progress may end after it), a turn of a session ends, or the run cannot go on (it
-        is then closed): a running request needs a block the pool lacks, a waiting one is taken in only in part,
-        or one waits where a step must be planned on its own (admission decides arrivals on the engine's snapshot
-        between steps; an out-of-memory fault prices the whole batch). The same decisions and times as planning
-        each step (tests compare them), at a cost per request instead of per request per step. False when no
-        step ran."""
+        """Steps of the open decode run (``engine.core.virtual_run.DecodeRun``; opened if none is and one can be)
+        until the clock reaches ``until_s`` (the step in progress may end after it), a turn of a session ends, or the
+        run cannot go on (it is then closed): a running request needs a block the pool lacks, a waiting one is taken
+        in only in part, or one waits where a step must be planned on its own (admission decides arrivals on the
+        engine's snapshot between steps; an out-of-memory fault prices the whole batch). False when no step ran."""
         scheduler, faults = self.scheduler, self.faults
         run = self.decode_run
         if run is None:
             if not self._can_run_decodes():
                 return False
-            run = self.decode_run = _DecodeRun(scheduler)
+            run = self.decode_run = DecodeRun(scheduler, _record_tokens)
         # Every step of every run goes through this loop: what it calls is looked up once.
         step_s_of, step_delay, latency_s = self.engine.cost.step_s, faults.step_delay, self.engine.token_latency_s
-        allocate_blocks, take_finished, delivered = run.allocate_blocks, run.take_finished, run.delivered
         waiting, admission, t = scheduler.waiting, self.admission, self.t
         stays_open = admission is None
-        first_step = step = run.num_steps + 1
+        num_steps_before = run.num_steps
         while t < until_s:
-            num_rows = len(run.applied)
-            context = run.context + num_rows  # each decode attends to its whole context, its new token's key included
-            if waiting and (admission is not None or faults.oom_above_batched_tokens is not None):
+            if (waiting or run.prefilling) and (admission is not None or faults.oom_above_batched_tokens is not None):
                 stays_open = False
                 break
-            shape = StepShape(0, num_rows, context, context)
             # An arrival during a step is decided on the snapshot from before it: that step is planned alone.
-            if admission is not None and t + step_s_of(shape) + step_delay > until_s:
+            if admission is not None and t + step_s_of(run.decode_shape()) + step_delay > until_s:
                 break
-            if not allocate_blocks(step):
+            planned = run.plan()
+            if planned is None:  # a block the pool lacks, or nothing runs: the scheduler plans what comes next
                 stays_open = False
                 break
-            admitted = scheduler.plan_admissions(num_rows).batch if waiting else None
-            if admitted:
-                prefill = StepShape.of_batch([(request.num_computed_tokens, n) for request, n in admitted])
-                shape = StepShape(
-                    prefill.num_prefill_tokens,
-                    prefill.num_decodes + num_rows,
-                    prefill.num_context_tokens + context,
-                    prefill.num_attended_pairs + context,
-                )
-            elif not num_rows:  # nothing runs, nothing can come in: idle, or a cap holds it back
-                stays_open = False
-                break
-            step_s = step_s_of(shape) + step_delay
-            if step == 1:
+            step_s = step_s_of(planned.shape) + step_delay
+            if not run.num_steps:
                 self._begin_step(t)
             t += step_s
-            delivered.append(t + latency_s)
-            run.context = context
+            outcome = run.commit(planned, t + latency_s)
             if admission is not None:
-                admission.observe_step(0, num_rows, step_s)
-            finished = take_finished(step)
-            for request in finished:
-                scheduler.finish_request(request.request_id, FinishReason.LENGTH)
+                admission.observe_step(0, planned.num_decodes, step_s)
+            for request in outcome.finished:
                 self._end(request, Outcome.OK)
-            if admitted:
-                stays_open = self._take_in(run, admitted, num_rows, shape, step_s, t + latency_s) and stays_open
-            step += 1
-            if finished or admitted:
+            if planned.batch:
+                self._took_in(planned, outcome, step_s, t + latency_s)
+                stays_open = stays_open and not outcome.must_close
+            if outcome.finished or planned.batch:
                 if self.check_invariants:
                     scheduler.check_invariants()
                 if self.keep_steps:
                     self._sample(t)
-                if not stays_open or (finished and self.has_sessions):  # a turn's end sends the next turn
+                if not stays_open or (outcome.finished and self.has_sessions):  # a turn's end sends the next turn
                     break
         self.t = t
-        ran = step > first_step
+        ran = run.num_steps > num_steps_before
         if ran:
-            self.result.num_steps += step - first_step
+            self.result.num_steps += run.num_steps - num_steps_before
             self.last_event_s = t
         if not stays_open or not ran:
             self._close_decode_run()
         return ran
 
     def _can_run_decodes(self) -> bool:
-        """Whether a decode run can start: every running request ``fits`` one, nothing is swapped out, the batch
-        limits hold every running request, and no fault fails a step or takes blocks."""
-        scheduler, faults = self.scheduler, self.faults
-        running, limit = scheduler.running, scheduler.back_off.limit
-        if (
-            scheduler.swapped
-            or scheduler.back_off.is_backing_off
-            or len(running) > min(limit.max_num_seqs, limit.max_num_batched_tokens)
-            or faults.fail_next_steps
-            or (faults.oom_above_batched_tokens is not None and len(running) > faults.oom_above_batched_tokens)
-            or scheduler.kv.device_pool.num_over_capacity
+        """Whether a decode run can start (``DecodeRun.can_start``) with no fault failing a step."""
+        faults, running = self.faults, self.scheduler.running
+        if faults.fail_next_steps or (
+            faults.oom_above_batched_tokens is not None and len(running) > faults.oom_above_batched_tokens
         ):
             return False
-        kv = scheduler.kv
-        return all(_DecodeRun.fits(request, kv) for request in running)
+        return DecodeRun.can_start(self.scheduler)
 
-    def _take_in(
-        self,
-        run: _DecodeRun,
-        admitted: list[tuple[SimulatedRequest, int]],
-        num_rows: int,
-        shape: StepShape,
-        step_s: float,
-        delivered_s: float,
-    ) -> bool:
-        """The requests a run's step took in computed their share of it (a prompt done samples its first token and
-        decodes in the run from the next step on). False when one of them has more of its prompt to compute: the
-        run closes, and that is planned step by step."""
-        num_batched_tokens = num_rows + sum(num_new for _, num_new in admitted)
-        if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
+    def _took_in(self, planned: RunStep, outcome: RunStepOutcome, step_s: float, delivered_s: float) -> None:
+        """A run's step took requests in: the preemption policy learns from a prefill-heavy step, as the engine's
+        does; a first token reaches its client, and a request of one token is done."""
+        num_batched_tokens = planned.num_decodes + sum(num_new for _, num_new in planned.batch)
+        if planned.shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
             self.scheduler.preemption_policy.observe_prefill(num_batched_tokens, step_s)
-        sampled = advance(self.scheduler, StepPlan(batch=admitted))
-        for request in sampled:
+        for request in outcome.sampled:
             request.token_times_s.append(delivered_s)
             if request.num_remaining_outputs <= 0:
                 self._end(request, Outcome.OK)
-            else:
-                run.join(request)
-        return len(sampled) == len(admitted)
 
     def _close_decode_run(self) -> None:
         """Bring every request of the open decode run (if any) up to date: the scheduler's state is whole again."""

@@ -20,6 +20,11 @@ def one_per_step(num_prefill_tokens: int, num_decodes: int) -> float:
     return 1.0
 
 
+# Time that depends on what is in the step.
+def by_shape(num_prefill_tokens: int, num_decodes: int) -> float:
+    return 0.01 + 0.001 * num_prefill_tokens + 0.002 * num_decodes
+
+
 # The faults set before the arrival at these loop indices (None: all off).
 NO_CAPS: dict[int, dict | None] = {}
 CAPS = {
@@ -56,7 +61,8 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
     """Requests arrive at random steps into an engine whose pool holds two or three at a time; for each, the
     forecast from the snapshot before it arrived names the step of its first token, unless a fault changed between
     that snapshot and the first token (the forecast cannot know a fault that is set later). Their prompts share
-    prefixes: with prefix caching on, the forecast finds the hits the engine then finds."""
+    prefixes: with prefix caching on, the forecast finds the hits the engine then finds. Planning every step of the
+    forecast on its own gives the same forecast as taking runs of decode steps in one go."""
     engine = make_tiny_engine(
         kv_cache_memory=68 * 8192,
         swap_space=120 * 8192,
@@ -86,6 +92,12 @@ def test_the_forecast_names_the_step_of_each_first_token_as_the_scheduler_then_d
             prepared = engine.prepare_request(prompt(rng, index, prompt_len), params, request_id=request_id)
             new = RemainingWork(prompt_len, 0, max_tokens, math.inf, block_hashes=prepared.block_hashes)
             ahead = forecast(snapshot, engine.info, [], [], new, one_per_step, horizon_s=2000).ttft_s
+            # Runs of decode steps in one go decide and time as planning every step does, TPOT included.
+            in_runs, step_by_step = (
+                forecast(snapshot, engine.info, [], [], new, by_shape, horizon_s=2000, fast_forward=on)
+                for on in (True, False)
+            )
+            assert in_runs == step_by_step
             predicted[request_id] = num_steps - in_progress + ahead
             predicted_at[request_id] = num_steps - in_progress
             stats = snapshot.stats
@@ -158,3 +170,23 @@ def test_a_cap_below_what_the_block_tables_hold_preempts_in_the_forecast_as_in_t
         if any(output.request_id == "new" and output.new_token_ids for output in outputs):
             first_token_step = num_steps
     assert predicted.ttft_s == first_token_step > 30
+
+
+def test_a_retry_taken_in_part_before_younger_requests_is_forecast_as_planning_every_step_does():
+    """A retry keeps its first attempt's place in line: taken in part, it goes before the younger running requests,
+    and the scheduler gives it its next chunk before their decodes, which a tight budget may then leave out. Runs
+    of decode steps hand that over to the scheduler; the forecast is the same either way."""
+    engine = make_tiny_engine(kv_cache_memory=200 * 8192, swap_space=0, max_num_batched_tokens=512)
+    for index in range(3):
+        engine.add_request([1 + index] * 50, SamplingParams(max_tokens=60, ignore_eos=True), request_id=f"r{index}")
+    engine.step()
+    snapshot = engine.snapshot()
+    oldest = min(work.place_in_line_ts for work in snapshot.running_work)
+    retry = RemainingWork(1200, 0, 8, place_in_line_ts=oldest - 1.0)  # three chunks of a 512-token budget
+    new = RemainingWork(40, 0, 20, math.inf)
+    in_runs, step_by_step = (
+        forecast(snapshot, engine.info, [], [retry], new, by_shape, horizon_s=1e9, fast_forward=on)
+        for on in (True, False)
+    )
+    assert in_runs == step_by_step
+    assert step_by_step.tpot_s is not None

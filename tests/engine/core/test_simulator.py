@@ -241,8 +241,10 @@ def test_a_bad_fault_value_is_refused_when_the_timeline_is_built(changes, messag
             {},
             None,
         ),
-        # Prompts longer than a step's budget: a run takes one in part, and closes.
+        # Prompts longer than a step's budget: a run carries the newest request through its prompt in chunks, also
+        # one recomputed after a preemption.
         (1000, PreemptionMode.AUTO, [], {"max_num_batched_tokens": 160}, None),
+        (150, PreemptionMode.RECOMPUTE, [], {"max_num_batched_tokens": 160}, None),
         # Out-of-memory steps above 300 tokens for a while: a run plans no prefill during it.
         (1000, PreemptionMode.AUTO, [FaultWindow("oom", 2.0, 5.0, {"oom_above_batched_tokens": 300})], {}, None),
         # Admission decides each arrival on what the engine published: a run ends at every arrival.
