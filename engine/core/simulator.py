@@ -486,7 +486,7 @@ class Simulation:
                 stays_open = False
                 break
             step_s = step_s_of(planned.shape) + step_delay
-            if not run.num_steps:
+            if not run.stamps:
                 self._begin_step(t)
             t += step_s
             outcome = run.commit(planned, t + latency_s)

@@ -181,14 +181,30 @@ class RooflineStepCost:
     per_step_s: float
 
     def step_s(self, shape: StepShape) -> float:
-        tp, model = self.tensor_parallel, self.model
+        # A simulation prices every step it runs: the constants are worked out once, with the same operations.
+        tp, weight_bytes, kv_bytes_per_token, bytes_per_s, flops_per_token, attention_flops_per_pair, flops_per_s = (
+            self._constants
+        )
         num_tokens = shape.num_prefill_tokens + shape.num_decodes
-        read_bytes = (model.weight_bytes + shape.num_context_tokens * model.kv_bytes_per_token) / tp
-        memory_s = read_bytes / (self.gpu.memory_bytes_per_s * self.memory_efficiency)
-        attention_flops = 4 * model.num_layers * model.num_attention_heads * model.head_dim * shape.num_attended_pairs
-        flops = (2 * model.num_parameters * num_tokens + attention_flops) / tp
-        compute_s = flops / (self.gpu.flops_per_s * self.compute_efficiency)
-        return self.per_step_s + max(memory_s, compute_s) + self._all_reduce_s(num_tokens)
+        read_bytes = (weight_bytes + shape.num_context_tokens * kv_bytes_per_token) / tp
+        memory_s = read_bytes / bytes_per_s
+        flops = (flops_per_token * num_tokens + attention_flops_per_pair * shape.num_attended_pairs) / tp
+        compute_s = flops / flops_per_s
+        step_s = self.per_step_s + max(memory_s, compute_s)
+        return step_s if tp == 1 else step_s + self._all_reduce_s(num_tokens)
+
+    @cached_property
+    def _constants(self) -> tuple[int, float, int, float, float, int, float]:
+        model, gpu = self.model, self.gpu
+        return (
+            self.tensor_parallel,
+            model.weight_bytes,
+            model.kv_bytes_per_token,
+            gpu.memory_bytes_per_s * self.memory_efficiency,
+            2 * model.num_parameters,
+            4 * model.num_layers * model.num_attention_heads * model.head_dim,
+            gpu.flops_per_s * self.compute_efficiency,
+        )
 
     def _all_reduce_s(self, num_tokens: int) -> float:
         """Two all-reduces of the hidden state per layer (after attention, after the MLP), ring algorithm."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from engine.core.block_hash import ROOT_HASH, hash_block
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
@@ -89,26 +89,28 @@ def advance(scheduler: Scheduler, plan: StepPlan) -> list[VirtualRequest]:
     return sampled
 
 
-@dataclass
-class RunStep:
+class RunStep(NamedTuple):
     """A step a decode run planned: its shape, its decodes of the run's requests, and the rest of its batch (the
-    request computing its prompt, then those taken in, with their tokens in it)."""
+    request computing its prompt, then those taken in, with their tokens in it). A tuple: a run makes one a step."""
 
     shape: StepShape
     num_decodes: int
-    batch: list[tuple[VirtualRequest, int]] = field(default_factory=list)
+    batch: Sequence[tuple[VirtualRequest, int]] = ()
 
 
-@dataclass
-class RunStepOutcome:
+class RunStepOutcome(NamedTuple):
     """What a run's step did: requests that got their last token (out of the run, finished), requests of its batch
     that sampled their first token, and whether the run must close: one has more of its prompt to compute and is
     not the newest running request (a retry keeps its first attempt's place in line), so the scheduler gives it
     its next chunk before younger requests' decodes."""
 
-    finished: list[VirtualRequest]
-    sampled: list[VirtualRequest]
+    finished: Sequence[VirtualRequest] = ()
+    sampled: Sequence[VirtualRequest] = ()
     must_close: bool = False
+
+
+# Most steps of a run: nothing finished, nothing sampled its first token.
+_NOTHING_HAPPENED = RunStepOutcome()
 
 
 class DecodeRun:
@@ -210,7 +212,8 @@ class DecodeRun:
         if not self.scheduler.waiting and self.prefilling is None:  # most steps: decodes only
             if (due and not self.scheduler.kv.append_blocks(due)) or not num_rows:
                 return None
-            return RunStep(self.decode_shape(), num_rows)
+            context = self.context + num_rows
+            return RunStep(StepShape(0, num_rows, context, context), num_rows)
         plan = self.scheduler.plan_run_step(num_rows, due, self.prefilling)
         if plan is None or not (plan.batch or num_rows):
             return None
@@ -232,13 +235,15 @@ class DecodeRun:
         step = len(self.stamps) + 1
         self.stamps.append(stamp)
         self.context += planned.num_decodes
+        if not planned.batch and self.last_tokens[0][0] != step:  # most steps (a run's requests decode)
+            return _NOTHING_HAPPENED
         scheduler = self.scheduler
         finished = []
         if self.last_tokens and self.last_tokens[0][0] == step:
             finished = self._take_finished(step)
             for request in finished:
                 scheduler.finish_request(request.request_id, FinishReason.LENGTH)
-        sampled = advance(scheduler, StepPlan(batch=planned.batch)) if planned.batch else []
+        sampled = advance(scheduler, StepPlan(batch=list(planned.batch))) if planned.batch else []
         for request in sampled:
             if request is self.prefilling:
                 self.prefilling = None
