@@ -397,6 +397,13 @@ def advisories(
             f"{len(bad_requests)} requests were rejected with HTTP 400, e.g. {bad_requests[0].error!r}. If it names "
             "ignore_eos, min_tokens or stream_options, the server does not accept them: rerun with --no-exact-output."
         )
+    retried = [r for r in records if r.attempts > 1]
+    if retried:
+        retried_ok = sum(1 for r in retried if r.outcome is Outcome.OK)
+        notes.append(
+            f"{len(retried)} requests were sent again after a 429 or 503 ({sum(r.attempts - 1 for r in retried)} "
+            f"sends more in all); {retried_ok} of them then ended ok. Their TTFT and E2E run from the first send."
+        )
     ok = [r for r in records if r.outcome is Outcome.OK]
     merged = [r for r in ok if r.usage_completion_tokens is not None and r.usage_completion_tokens > r.delivered_tokens]
     if merged:

@@ -3,6 +3,11 @@
 Timing: every read is stamped with ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux) as soon as aiohttp hands it
 over; events that arrive in one read share its stamp. The connection pool is unbounded (``limit=0``): aiohttp's
 default of 100 connections would silently queue requests and hide the server's latency (coordinated omission).
+
+Retries (``retries``, 0 by default): a request refused with 429 or 503 is sent again, the same body, after the
+refusal's Retry-After (seconds; without one, 0.5 s doubling to at most 8 s, as OpenAI's Python SDK backs off), as
+long as the request timeout, counted from the first send, allows. Its record counts the sends, and its times run
+from the first: the wait is its user's.
 """
 
 from __future__ import annotations
@@ -20,6 +25,12 @@ from loadgen.workloads import PlannedRequest, request_body
 
 if TYPE_CHECKING:
     from loadgen.results import RunConfig
+
+
+# A refusal without a usable Retry-After: wait 0.5 s, then twice as long each time, at most 8 s (OpenAI's Python SDK).
+INITIAL_BACK_OFF_S, MAX_BACK_OFF_S = 0.5, 8.0
+# A Retry-After longer than this is not waited for as such (the SDK's bound too): the back-off applies.
+MAX_RETRY_AFTER_S = 60
 
 
 class StallTimeout(Exception):
@@ -46,8 +57,10 @@ class StreamingClient:
         extra_body: dict[str, Any] | None = None,
         api_key: str | None = None,
         counters: RunCounters | None = None,
+        retries: int = 0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.retries = retries
         self.model = model
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
@@ -76,6 +89,7 @@ class StreamingClient:
             extra_body=extra_body,
             api_key=api_key,
             counters=counters,
+            retries=config.retries,
         )
 
     async def __aenter__(self) -> StreamingClient:
@@ -115,17 +129,25 @@ class StreamingClient:
         return record, tracker.text
 
     async def _stream(self, path: str, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         headers = {"X-Request-Id": request_id}
+        deadline_ts = tracker.sent_ts + self.request_timeout_s
         try:
-            async with self._session.post(
-                self.base_url + path, json=body, headers=headers, timeout=timeout
-            ) as response:
-                tracker.http_status = response.status
-                if response.status != 200:
+            while True:
+                timeout = aiohttp.ClientTimeout(total=max(deadline_ts - time.perf_counter(), 1e-3))
+                async with self._session.post(
+                    self.base_url + path, json=body, headers=headers, timeout=timeout
+                ) as response:
+                    tracker.http_status = response.status
+                    if response.status == 200:
+                        return await self._read(response, tracker)
                     detail = (await response.text())[:300]
-                    return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}")
-                return await self._read(response, tracker)
+                    delay_s = self._retry_delay_s(response, tracker.attempts)
+                    if delay_s is None or time.perf_counter() + delay_s >= deadline_ts:
+                        return tracker.finish(
+                            time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}"
+                        )
+                await asyncio.sleep(delay_s)
+                tracker.attempts += 1
         except asyncio.TimeoutError:
             message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
             return tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
@@ -133,6 +155,15 @@ class StreamingClient:
             started = tracker.http_status == 200
             outcome = Outcome.BROKEN_STREAM if started else Outcome.REJECTED
             return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
+
+    def _retry_delay_s(self, response: aiohttp.ClientResponse, attempts: int) -> float | None:
+        """How long to wait before sending a refused request again, or None: not again."""
+        if response.status not in (429, 503) or attempts > self.retries:
+            return None
+        retry_after = response.headers.get("Retry-After", "")
+        if retry_after.isdigit() and int(retry_after) <= MAX_RETRY_AFTER_S:
+            return float(retry_after)
+        return min(INITIAL_BACK_OFF_S * 2 ** (attempts - 1), MAX_BACK_OFF_S)
 
     async def _read(self, response: aiohttp.ClientResponse, tracker: StreamTracker) -> RequestRecord:
         watchdog = _StallWatchdog(response, tracker, self.stall_timeout_s)

@@ -39,6 +39,9 @@ class RequestRecord(BaseModel):
     outcome: Outcome
     error: str = ""
     http_status: int | None = None
+    # Sends of the request: more than one when the client retried a refusal (429 or 503) after its Retry-After. Its
+    # times (TTFT, E2E) run from the first send: the wait is its user's.
+    attempts: int = 1
     finish_reason: str | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None

@@ -34,6 +34,8 @@ class PromSeries(BaseModel):
 
 # The most processes one run may be sent from (a bound on an operator's typo, not a measured limit).
 MAX_WORKERS = 256
+# The most times a refused request may be sent again (OpenAI's Python SDK sends it twice more by default).
+MAX_RETRIES = 10
 
 
 class RunConfig(BaseModel):
@@ -53,6 +55,8 @@ class RunConfig(BaseModel):
     slo: str | None
     # Processes the sending was shared by (loadgen.workers).
     workers: int = Field(1, ge=1, le=MAX_WORKERS)
+    # Times a refused request (429, 503) was sent again after its Retry-After, at most (loadgen.client).
+    retries: int = Field(0, ge=0, le=MAX_RETRIES)
 
 
 class RunResult(BaseModel):

@@ -44,6 +44,8 @@ class StreamTracker:
         self.stall_timeout_s = stall_timeout_s
         self.token_ts: list[float] = []
         self.http_status: int | None = None
+        # Sends of the request: more than one when a refusal was retried (``StreamingClient``'s ``retries``).
+        self.attempts = 1
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.done_ts: float | None = None
@@ -132,6 +134,7 @@ class StreamTracker:
             outcome=outcome,
             error="; ".join(reasons),
             http_status=self.http_status,
+            attempts=self.attempts,
             finish_reason=self.finish_reason,
             ttft_s=self.token_ts[0] - self.sent_ts if self.token_ts else None,
             e2e_s=end_ts - self.sent_ts,

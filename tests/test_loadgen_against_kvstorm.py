@@ -12,6 +12,7 @@ import time
 
 import requests
 
+from engine.core.admission import AdmissionLimits
 from loadgen.arrivals import Arrival
 from loadgen.client import StreamingClient
 from loadgen.records import Outcome
@@ -157,3 +158,31 @@ def test_a_shared_prefix_workload_says_what_reuse_it_offers_and_what_the_server_
     assert reuse.cached_tokens == reuse.shareable_tokens
     assert f"Prefix reuse: {reuse.shareable_tokens / reuse.prompt_tokens:.1%} of 640 prompt tokens" in printed
     assert "the server says it served 60.0%" in printed
+
+
+def test_a_client_that_retries_after_a_429_comes_back_when_told_and_is_admitted(real_model, real_tokenizer, tmp_path):
+    """One request at a time, one more allowed to wait: of a burst of six, four are refused with 429 and a Retry-After.
+    With retries each comes back after it and all six end ok, their TTFT from the first send; without, the four end
+    refused."""
+    args = (
+        "--model", "smollm2-135m", "--input-len", "fixed:16", "--output-len", "fixed:4",
+        "--arrival", "constant:rate=200", "--num-requests", "6", "--request-timeout", "60s",
+    )  # fmt: skip
+    limits = AdmissionLimits(max_waiting=1)
+    with running_server(make_engine(real_model, real_tokenizer, max_num_seqs=1), limits=limits) as server:
+        once = RunResult.read(run_bench_serve(server.url, tmp_path / "once", *args))
+        json_path, printed = run_bench_serve_with_output(server.url, tmp_path / "retrying", *args, "--retries", "5")
+        retrying = RunResult.read(json_path)
+        metrics = requests.get(server.url + "/metrics", timeout=10).text
+    refused = [r for r in once.records if r.outcome is Outcome.REJECTED]
+    assert len(refused) >= 3
+    assert {r.http_status for r in refused} == {429}
+    assert {r.attempts for r in once.records} == {1}
+    assert [r.outcome for r in retrying.records] == [Outcome.OK] * 6, [r.error for r in retrying.records]
+    came_back = [r for r in retrying.records if r.attempts > 1]
+    assert len(came_back) >= 3
+    assert all(r.ttft_s >= 1.0 for r in came_back), "a retry waits its Retry-After (1 s at least), from the first send"
+    assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="max_waiting") == len(refused) + sum(
+        r.attempts - 1 for r in retrying.records
+    ), "every refusal the server counted is one the clients saw, and each retry followed one"
+    assert f"{len(came_back)} requests were sent again after a 429 or 503" in printed

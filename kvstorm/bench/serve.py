@@ -73,6 +73,13 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     )
     parser.add_argument("--request-timeout", type=duration_arg, default=600.0, help="whole-request limit")
     parser.add_argument("--stall-timeout", type=duration_arg, default=30.0, help="longest gap between two tokens")
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        help="send a request refused with 429 or 503 again after its Retry-After, up to this many times "
+        "(OpenAI's Python SDK: 2; default 0: a refusal ends the request)",
+    )
     parser.add_argument("--no-exact-output", action="store_true", help="do not send ignore_eos / min_tokens")
     parser.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
@@ -167,6 +174,7 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
         duration_s=args.duration,
         max_concurrency=args.max_concurrency,
         workers=args.workers,
+        retries=args.retries,
         request_timeout_s=args.request_timeout,
         stall_timeout_s=args.stall_timeout,
         exact_output=not args.no_exact_output,
