@@ -33,6 +33,14 @@ INITIAL_BACK_OFF_S, MAX_BACK_OFF_S = 0.5, 8.0
 MAX_RETRY_AFTER_S = 60
 
 
+def retry_delay_s(retry_after: str, attempts: int) -> float:
+    """How long a client waits before it sends a refused request again, after ``attempts`` sends: the refusal's
+    Retry-After (seconds) if it gives a usable one, else the back-off (the simulator's clients wait the same)."""
+    if retry_after.isdigit() and int(retry_after) <= MAX_RETRY_AFTER_S:
+        return float(retry_after)
+    return min(INITIAL_BACK_OFF_S * 2 ** (attempts - 1), MAX_BACK_OFF_S)
+
+
 class StallTimeout(Exception):
     """Raised into a stream's reader when no token arrived for longer than the stall timeout."""
 
@@ -160,10 +168,7 @@ class StreamingClient:
         """How long to wait before sending a refused request again, or None: not again."""
         if response.status not in (429, 503) or attempts > self.retries:
             return None
-        retry_after = response.headers.get("Retry-After", "")
-        if retry_after.isdigit() and int(retry_after) <= MAX_RETRY_AFTER_S:
-            return float(retry_after)
-        return min(INITIAL_BACK_OFF_S * 2 ** (attempts - 1), MAX_BACK_OFF_S)
+        return retry_delay_s(response.headers.get("Retry-After", ""), attempts)
 
     async def _read(self, response: aiohttp.ClientResponse, tracker: StreamTracker) -> RequestRecord:
         watchdog = _StallWatchdog(response, tracker, self.stall_timeout_s)

@@ -31,6 +31,7 @@ from engine.core.simulator import (
     SimulatedSession,
     Simulation,
     SimulationResult,
+    as_request,
     cycle_collection_paused,
 )
 
@@ -46,8 +47,11 @@ class Fleet:
         faults: Sequence[tuple[FaultWindow, Sequence[int]]] = (),
         request_timeout_s: float = 600.0,
         admission: AdmissionLimits | None = None,
+        retries: int = 0,
+        retry_delay_s: Callable[[str, int], float] | None = None,
     ) -> None:
-        """``faults``: each window with the replicas it hits; ``admission``: every replica's limits."""
+        """``faults``: each window with the replicas it hits; ``admission``: every replica's limits; ``retries`` and
+        ``retry_delay_s``: the clients' (``Simulation``'s); a retry is routed again, as a new connection is."""
         if num_replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
         if router not in ROUTERS:
@@ -61,6 +65,8 @@ class Fleet:
                 faults=[window for window, hit in faults if index in hit],
                 request_timeout_s=request_timeout_s,
                 admission=admission,
+                retries=retries,
+                retry_delay_s=retry_delay_s,
             )
             for index in range(num_replicas)
         ]
@@ -84,10 +90,12 @@ class Fleet:
             if sessions:
                 self._run_with_sessions(arrivals, sessions)
             else:
-                for arrival in sorted(arrivals, key=lambda a: (a.at_s, a.index)):
+                pending = self._pending(arrivals)
+                while pending:
+                    at_s, _, item = heapq.heappop(pending)
                     for replica in self.replicas:
-                        replica.advance_until(arrival.at_s)
-                    self._submit(arrival)
+                        replica.advance_until(at_s)
+                    self._submit(item, pending)
             for replica in self.replicas:
                 replica.advance_until(math.inf)
                 replica.finish()
@@ -102,8 +110,7 @@ class Fleet:
         for replica in self.replicas:
             replica.has_sessions = True
         first_turns = [session.first_arrival(engine.block_size, engine.enable_prefix_caching) for session in sessions]
-        pending = [(arrival.at_s, arrival.index, arrival) for arrival in (*arrivals, *first_turns)]
-        heapq.heapify(pending)
+        pending = self._pending([*arrivals, *first_turns])
         gap_s = engine.token_latency_s + min(session.think_s for session in sessions)
         while True:
             until_s = pending[0][0] if pending else math.inf
@@ -119,12 +126,31 @@ class Fleet:
                 for follow_up in replica.take_follow_ups():
                     heapq.heappush(pending, (follow_up.at_s, follow_up.index, follow_up))
             while pending and all(replica.t >= pending[0][0] for replica in self.replicas):
-                self._submit(heapq.heappop(pending)[2])
+                self._submit(heapq.heappop(pending)[2], pending)
 
-    def _submit(self, arrival: SimulatedArrival) -> None:
-        chosen = self._route(self, arrival)
-        self.assignment[arrival.index] = chosen
-        self.replicas[chosen].submit(SimulatedRequest(arrival))
+    @staticmethod
+    def _pending(arrivals: Sequence[SimulatedArrival]) -> list[tuple[float, int, SimulatedArrival | SimulatedRequest]]:
+        """What arrives, in order of arrival: a heap that retries join as their clients send them again."""
+        pending: list[tuple[float, int, SimulatedArrival | SimulatedRequest]] = [
+            (arrival.at_s, arrival.index, arrival) for arrival in arrivals
+        ]
+        heapq.heapify(pending)
+        return pending
+
+    def _submit(
+        self,
+        item: SimulatedArrival | SimulatedRequest,
+        pending: list[tuple[float, int, SimulatedArrival | SimulatedRequest]],
+    ) -> None:
+        """Route ``item`` (a request, or a retry of one) to a replica; a refusal that its client retries joins
+        ``pending``."""
+        request = as_request(item)
+        chosen = self._route(self, request.arrival)
+        self.assignment[request.arrival.index] = chosen
+        replica = self.replicas[chosen]
+        replica.submit(request)
+        for at_s, retry in replica.take_retries():
+            heapq.heappush(pending, (at_s, retry.arrival.index, retry))
 
     @staticmethod
     def _in_order(requests: list[SimulatedRequest]) -> list[SimulatedRequest]:

@@ -22,7 +22,9 @@ think time, with the conversation so far as its prompt.
 Admission control is the server's own (``engine.core.admission``): each arrival is decided on the snapshot the engine
 had published when it arrived (the state after the last step that had ended, the step then in progress started that
 long ago) with the requests taken in or admitted since, and the controller learns from every simulated step and
-first token as the server's learns from measured ones. A refused request ends as a 429 (its client does not retry).
+first token as the server's learns from measured ones. A refused request ends as a 429, unless its client retries
+(``retries``): it arrives again after the delay its client waits, the same request to admission (which keeps the
+place in line of one that comes back when told), its times still from its first send.
 
 What it does not model: the serving layer's costs beyond what the step-cost model and the token latency were fitted
 on, and clients that stall (a client gives up only after its request timeout).
@@ -33,12 +35,12 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.core.admission import AdmissionController, AdmissionLimits, NewRequest
+from engine.core.admission import AdmissionController, AdmissionLimits, AdmissionRefused, NewRequest
 from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import PreemptionMode, SchedulerConfig
@@ -262,7 +264,7 @@ class Outcome:
 class SimulatedRequest(VirtualRequest):
     """A request with what its client would see: when each token arrived and how it ended."""
 
-    __slots__ = ("arrival", "error", "model_ttft_s", "outcome", "token_times_s")
+    __slots__ = ("arrival", "attempts", "error", "model_ttft_s", "outcome", "sent_at_s", "token_times_s")
 
     def __init__(self, arrival: SimulatedArrival) -> None:
         super().__init__(
@@ -277,6 +279,9 @@ class SimulatedRequest(VirtualRequest):
         self.error = ""
         # Admission's uncorrected prediction of its first token, from its arrival (None: not predicted).
         self.model_ttft_s: float | None = None
+        # Sends of it (more than one: its client retried a 429), and when the last reached the server.
+        self.attempts = 1
+        self.sent_at_s = arrival.at_s
 
 
 @dataclass
@@ -306,6 +311,11 @@ class SimulationResult:
     end_s: float = 0.0
 
 
+def as_request(item: SimulatedArrival | SimulatedRequest) -> SimulatedRequest:
+    """What arrives: a new request, or one its client sends again."""
+    return item if isinstance(item, SimulatedRequest) else SimulatedRequest(item)
+
+
 def _record_tokens(request: SimulatedRequest, delivered_s: list[float]) -> None:
     request.token_times_s.extend(delivered_s)
 
@@ -325,9 +335,19 @@ class Simulation:
         fast_forward: bool = True,
         sessions: Sequence[SimulatedSession] = (),
         admission: AdmissionLimits | None = None,
+        retries: int = 0,
+        retry_delay_s: Callable[[str, int], float] | None = None,
     ) -> None:
-        """``admission``: the server's admission limits (None, or none set: every request is admitted)."""
+        """``admission``: the server's admission limits (None, or none set: every request is admitted).
+        ``retries``: how many times a client sends a request refused with 429 again, ``retry_delay_s`` after the
+        refusal (given its Retry-After and the sends so far: ``loadgen.client.retry_delay_s``), while its request
+        timeout from the first send allows."""
+        if retries and retry_delay_s is None:
+            raise ValueError("retries need the clients' retry delay")
         self.engine = engine
+        self.retries, self.retry_delay_s = retries, retry_delay_s
+        # (when, request): refused requests whose clients send them again then.
+        self.retrying: list[tuple[float, SimulatedRequest]] = []
         self.admission_limits = admission if admission is not None and admission.limits_anything else None
         self.arrivals: list[SimulatedArrival] = []
         # With sessions, a step that ends a turn ends ``advance_until`` too: the next turn may arrive before whatever
@@ -367,9 +387,11 @@ class Simulation:
         self.has_sessions = self.has_sessions or bool(sessions)
 
     def run(self) -> SimulationResult:
-        """Every arrival in turn (a session's later turns as their answers come), then on until the engine has
-        nothing left to do."""
-        pending = [(arrival.at_s, arrival.index, arrival) for arrival in self.arrivals]
+        """Every arrival in turn (a session's later turns as their answers come, a retry when its client sends it
+        again), then on until the engine has nothing left to do."""
+        pending: list[tuple[float, int, SimulatedArrival | SimulatedRequest]] = [
+            (arrival.at_s, arrival.index, arrival) for arrival in self.arrivals
+        ]
         heapq.heapify(pending)
         with cycle_collection_paused():
             while True:
@@ -380,7 +402,14 @@ class Simulation:
                     continue
                 if not pending:
                     return self.finish()
-                self.submit(SimulatedRequest(heapq.heappop(pending)[2]))
+                self.submit(as_request(heapq.heappop(pending)[2]))
+                for at_s, request in self.take_retries():
+                    heapq.heappush(pending, (at_s, request.arrival.index, request))
+
+    def take_retries(self) -> list[tuple[float, SimulatedRequest]]:
+        """The refused requests whose clients send them again, and when (since the last call)."""
+        retries, self.retrying = self.retrying, []
+        return retries
 
     def take_follow_ups(self) -> list[SimulatedArrival]:
         """The next turns of the sessions whose turns were answered since the last call."""
@@ -428,8 +457,9 @@ class Simulation:
             self.t = max(self.t, later)
 
     def submit(self, request: SimulatedRequest) -> None:
-        """A request reaches the engine now (the clock has reached its arrival)."""
-        self.result.requests.append(request)
+        """A request reaches the engine now (the clock has reached its arrival, or its retry's)."""
+        if request.attempts == 1:
+            self.result.requests.append(request)
         self.last_event_s = max(self.last_event_s, self.t)
         if self._admit(request):
             deadline_s = request.arrival.at_s + self.request_timeout_s
@@ -575,7 +605,7 @@ class Simulation:
                 token_times_s = request.token_times_s
                 token_times_s.append(delivered_s)
                 if admission is not None and len(token_times_s) == 1 and request.model_ttft_s is not None:
-                    admission.observe_first_token(request.model_ttft_s, end_s - request.arrival.at_s)
+                    admission.observe_first_token(request.model_ttft_s, end_s - request.sent_at_s)
                 if request.num_remaining_outputs <= 0:
                     self._end(request, Outcome.OK)
             if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
@@ -617,7 +647,8 @@ class Simulation:
         if self.admission is not None:
             busy = self._decide(request)
             if busy is not None:
-                self._end(request, Outcome.REJECTED, f"429: {busy}")
+                if not self._retry(request, busy):
+                    self._end(request, Outcome.REJECTED, f"429: {busy}")
                 return False
         self.scheduler.add_request(request)
         return True
@@ -650,26 +681,43 @@ class Simulation:
         if self.admission is not None:
             self._published_before, self._published = self._published, self._snapshot()
 
-    def _decide(self, request: SimulatedRequest) -> str | None:
-        """Why admission refuses ``request`` (arriving now), or None: it is admitted, with its prediction kept."""
-        arrival = request.arrival
-        if self._step_start_s <= arrival.at_s < self.t:  # it came while the last step ran
+    def _decide(self, request: SimulatedRequest) -> AdmissionRefused | None:
+        """Why admission refuses ``request`` (arriving now), or None: it is admitted, with its prediction kept and its
+        place in line (a retry that came back when told keeps its first send's)."""
+        arrival, sent_at_s = request.arrival, request.sent_at_s
+        if self._step_start_s <= sent_at_s < self.t:  # it came while the last step ran
             snapshot, elapsed_s, in_engine = (
                 self._published_before,
-                arrival.at_s - self._step_start_s,
+                sent_at_s - self._step_start_s,
                 self._taken_by_step,
             )
         else:  # between steps, or a fleet's replica has run past it: what it published last
             snapshot, elapsed_s, in_engine = self._published, 0.0, []
-        new = NewRequest(arrival.num_prompt_tokens, arrival.max_tokens, block_hashes=arrival.block_hashes)
+        # A client sends the same request again: the server knows it by its body and its sender.
+        new = NewRequest(
+            arrival.num_prompt_tokens, arrival.max_tokens, str(arrival.index), block_hashes=arrival.block_hashes
+        )
         decision, model_ttft_s = self.admission.decide(
-            snapshot, elapsed_s, in_engine, self._admitted, new, now=arrival.at_s
+            snapshot, elapsed_s, in_engine, self._admitted, new, now=sent_at_s
         )
         if decision.refusal is not None:
-            return str(decision.refusal)
+            return decision.refusal
         request.model_ttft_s = model_ttft_s
-        self._admitted.append(new.work._replace(place_in_line_ts=arrival.at_s))
+        request.place_in_line_ts = arrival.at_s if decision.honoured_retry else sent_at_s
+        self._admitted.append(new.work._replace(place_in_line_ts=request.place_in_line_ts))
         return None
+
+    def _retry(self, request: SimulatedRequest, refusal: AdmissionRefused) -> bool:
+        """Whether ``request``'s client sends it again after ``refusal`` (then it is queued to arrive again)."""
+        if request.attempts > self.retries:
+            return False
+        again_s = request.sent_at_s + self.retry_delay_s(str(refusal.retry_after_s), request.attempts)
+        if again_s >= request.arrival.at_s + self.request_timeout_s:
+            return False
+        request.attempts += 1
+        request.sent_at_s = again_s
+        self.retrying.append((again_s, request))
+        return True
 
     def _time_out(self, request: SimulatedRequest) -> None:
         if request.outcome is not None:

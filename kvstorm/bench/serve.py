@@ -17,7 +17,7 @@ from loadgen.capacity import CapacityRow, Placement, measure_capacity
 from loadgen.capacity import __doc__ as CAPACITY_DOC
 from loadgen.records import Outcome
 from loadgen.report import write_report
-from loadgen.results import MAX_WORKERS, RunConfig, read_fault_windows
+from loadgen.results import MAX_RETRIES, MAX_WORKERS, RunConfig, read_fault_windows
 from loadgen.runner import run_event_loop
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
@@ -73,13 +73,7 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     )
     parser.add_argument("--request-timeout", type=duration_arg, default=600.0, help="whole-request limit")
     parser.add_argument("--stall-timeout", type=duration_arg, default=30.0, help="longest gap between two tokens")
-    parser.add_argument(
-        "--retries",
-        type=int,
-        default=0,
-        help="send a request refused with 429 or 503 again after its Retry-After, up to this many times "
-        "(OpenAI's Python SDK: 2; default 0: a refusal ends the request)",
-    )
+    add_retries_argument(parser)
     parser.add_argument("--no-exact-output", action="store_true", help="do not send ignore_eos / min_tokens")
     parser.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
@@ -90,6 +84,24 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument("--results-dir", type=Path, default=Path("bench-results"), help="where JSON + HTML go")
     parser.add_argument("--bucket", type=duration_arg, default=1.0, help="time-series bucket of the report")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+
+
+def add_retries_argument(parser: argparse.ArgumentParser) -> None:
+    """``--retries``, as ``kvstorm bench serve`` and ``kvstorm simulate run`` both take it."""
+    parser.add_argument(
+        "--retries",
+        type=_retry_count,
+        default=0,
+        help="send a request refused with 429 or 503 again after its Retry-After, up to this many times "
+        "(OpenAI's Python SDK: 2; default 0: a refusal ends the request)",
+    )
+
+
+def _retry_count(text: str) -> int:
+    count = int(text)
+    if not 0 <= count <= MAX_RETRIES:
+        raise argparse.ArgumentTypeError(f"must be in 0-{MAX_RETRIES}, got {count}")
+    return count
 
 
 def add_bench_client_capacity_parser(bench_subparsers: argparse._SubParsersAction) -> None:

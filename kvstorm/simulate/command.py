@@ -15,7 +15,7 @@ from engine.core.config import PreemptionMode
 from engine.core.fleet import ROUTERS
 from engine.core.simulator import FaultWindow
 from kvstorm.admission_options import add_admission_arguments, admission_limits
-from kvstorm.bench.serve import duration_arg
+from kvstorm.bench.serve import add_retries_argument, duration_arg
 from kvstorm.simulate.conversations import TemplateTokens
 from kvstorm.simulate.measure import CONCURRENCY, fitted_profile
 from kvstorm.simulate.profiles import PROFILES, load_profile, simulated_engine
@@ -116,6 +116,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--num-requests", type=int, default=None, help="stop scheduling after this many")
     run.add_argument("--duration", type=duration_arg, default=None, help="stop scheduling after this long (60s)")
     run.add_argument("--request-timeout", type=duration_arg, default=600.0, help="a client gives up after this long")
+    add_retries_argument(run)
     run.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts")
     run.add_argument("--slo", default=None, help="e.g. ttft_p99=2s,tpot_p99=200ms (adds goodput)")
     run.add_argument("--fault", type=parse_fault, action="append", default=[], help="a fault window (see above)")
@@ -179,6 +180,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         max_concurrency=None,
         request_timeout_s=args.request_timeout,
         stall_timeout_s=args.request_timeout,
+        retries=args.retries,
         exact_output=True,
         seed=args.seed,
         slo=args.slo,

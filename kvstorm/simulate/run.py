@@ -22,6 +22,7 @@ from engine.core.simulator import SimulationResult as EngineSimulation
 from kvstorm.admission_options import describe_admission
 from kvstorm.simulate.conversations import ChatTokens, EstimatedTokens, simulated_sessions
 from loadgen.analysis import advisories, parse_slos, summarize
+from loadgen.client import retry_delay_s
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
 from loadgen.results import FaultWindow as ReportedWindow
@@ -29,9 +30,9 @@ from loadgen.results import PromSeries, RunConfig, RunResult
 
 SIMULATED_NOTE = (
     "Simulated, not measured: the engine's own scheduler, KV cache, preemption and admission control in virtual time, "
-    "each step priced by the profile {profile!r}. Admission {admission}. Every stream runs to its max_tokens, a "
-    "refused client does not retry, and the way to the client (the server's event loop, the network, the client) "
-    "adds {latency_ms:.1f} ms to every token."
+    "each step priced by the profile {profile!r}. Admission {admission}. Every stream runs to its max_tokens, "
+    "{retries}, and the way to the client (the server's event loop, the network, the client) adds {latency_ms:.1f} ms "
+    "to every token."
 )
 
 
@@ -108,7 +109,16 @@ def simulate(
         )
     started = time.perf_counter()
     admission = admission or AdmissionLimits()
-    fleet = Fleet(engine, replicas, router, faults, request_timeout_s=config.request_timeout_s, admission=admission)
+    fleet = Fleet(
+        engine,
+        replicas,
+        router,
+        faults,
+        request_timeout_s=config.request_timeout_s,
+        admission=admission,
+        retries=config.retries,
+        retry_delay_s=retry_delay_s,
+    )
     engine_side = fleet.merged(fleet.run(arrivals, sessions))
     wall_s = time.perf_counter() - started
     shared = {planned.index: planned.shared_prefix_tokens for planned in plan.requests}
@@ -117,7 +127,14 @@ def simulate(
     summary = summarize(records, duration_s, slos, plan.num_turns)
     notes = [
         SIMULATED_NOTE.format(
-            profile=profile_name, admission=describe_admission(admission), latency_ms=engine.token_latency_s * 1e3
+            profile=profile_name,
+            admission=describe_admission(admission),
+            retries=(
+                f"a client sends a request refused with 429 again after its Retry-After, up to {config.retries} times"
+                if config.retries
+                else "a refused client does not retry"
+            ),
+            latency_ms=engine.token_latency_s * 1e3,
         )
     ]
     if sessions:
@@ -176,6 +193,7 @@ def _record(request: SimulatedRequest, shared: dict[int, int]) -> RequestRecord:
         outcome=outcome,
         error=request.error,
         http_status=200 if started else _refusal_status(request.error),
+        attempts=request.attempts,
         finish_reason="length" if outcome is Outcome.OK else None,
         ttft_s=times[0] - arrival.at_s if times else None,
         e2e_s=times[-1] - arrival.at_s if outcome is Outcome.OK else None,

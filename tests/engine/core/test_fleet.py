@@ -178,3 +178,18 @@ def test_a_fleet_run_leaves_nothing_for_the_cycle_collector_it_pauses():
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_a_fleets_retry_is_routed_again():
+    arrivals = [SimulatedArrival(index, 1.0 + index * 0.005, 64, 8) for index in range(12)]
+    fleet = Fleet(
+        engine(max_num_seqs=1),
+        2,
+        "round-robin",
+        admission=AdmissionLimits(max_waiting=1),
+        retries=5,
+        retry_delay_s=lambda retry_after, attempts: float(retry_after),
+    )
+    requests = fleet.run(arrivals)
+    assert [request.outcome for request in requests] == [Outcome.OK] * 12
+    assert any(request.attempts > 1 for request in requests)

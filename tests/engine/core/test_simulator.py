@@ -337,3 +337,41 @@ def test_sessions_in_runs_of_decode_steps_decide_and_time_exactly_as_step_by_ste
     for slow_request, fast_request in zip(step_by_step.requests, fast.requests, strict=True):
         assert fast_request.token_times_s == pytest.approx(slow_request.token_times_s, rel=1e-9, abs=1e-9)
         assert fast_request.num_cached_tokens == slow_request.num_cached_tokens
+
+
+def back_off_as_told(retry_after: str, attempts: int) -> float:
+    return float(retry_after)
+
+
+def test_a_client_that_retries_a_429_comes_back_after_its_retry_after_with_its_times_from_the_first_send():
+    arrivals = [SimulatedArrival(index, 1.0 + index * 0.005, 64, 8) for index in range(6)]
+    limits = AdmissionLimits(max_waiting=1)  # one runs, one waits, the rest are refused
+    once = Simulation(engine(max_num_seqs=1), arrivals, admission=limits).run()
+    assert outcomes(once)[Outcome.REJECTED] >= 3
+    again = Simulation(
+        engine(max_num_seqs=1), arrivals, admission=limits, retries=5, retry_delay_s=back_off_as_told
+    ).run()
+    assert outcomes(again)[Outcome.OK] == len(again.requests) == 6
+    came_back = [request for request in again.requests if request.attempts > 1]
+    assert len(came_back) >= 3
+    for request in came_back:
+        assert request.sent_at_s >= request.arrival.at_s + 1.0 * (request.attempts - 1)
+        assert request.token_times_s[0] > request.sent_at_s  # its TTFT, from the first send, holds every wait
+
+
+def test_a_retry_that_comes_back_when_told_keeps_its_place_in_line_and_the_whole_objective():
+    arrivals = [SimulatedArrival(index, 1.0 + index * 0.01, 300, 16) for index in range(30)]
+    limits = AdmissionLimits(ttft_slo_s=1.0)
+    result = Simulation(engine(), arrivals, admission=limits, retries=3, retry_delay_s=back_off_as_told).run()
+    honoured = [
+        request
+        for request in result.requests
+        if request.outcome == Outcome.OK and request.attempts > 1 and request.place_in_line_ts == request.arrival.at_s
+    ]
+    assert honoured, "a retry admitted on the promise of its Retry-After takes its first send's place in line"
+    assert all(request.sent_at_s > request.arrival.at_s for request in honoured)
+
+
+def test_retries_without_a_delay_are_refused():
+    with pytest.raises(ValueError, match="retry delay"):
+        Simulation(engine(), [], retries=2)
