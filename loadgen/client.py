@@ -33,6 +33,16 @@ INITIAL_BACK_OFF_S, MAX_BACK_OFF_S = 0.5, 8.0
 MAX_RETRY_AFTER_S = 60
 
 
+def retry_wait_s(status: int, retry_after: str, attempts: int, retries: int, time_left_s: float) -> float | None:
+    """How long a client waits before it sends a refused request again, after ``attempts`` sends of at most
+    ``1 + retries``; None when it does not: another status than 429 or 503, no retry left, or a wait past the
+    ``time_left_s`` its request timeout leaves."""
+    if status not in (429, 503) or attempts > retries:
+        return None
+    delay_s = retry_delay_s(retry_after, attempts)
+    return delay_s if delay_s < time_left_s else None
+
+
 def retry_delay_s(retry_after: str, attempts: int) -> float:
     """How long a client waits before it sends a refused request again, after ``attempts`` sends: the refusal's
     Retry-After (seconds) if it gives a usable one, else the back-off (the simulator's clients wait the same)."""
@@ -149,8 +159,10 @@ class StreamingClient:
                     if response.status == 200:
                         return await self._read(response, tracker)
                     detail = (await response.text())[:300]
-                    delay_s = self._retry_delay_s(response, tracker.attempts)
-                    if delay_s is None or time.perf_counter() + delay_s >= deadline_ts:
+                    retry_after = response.headers.get("Retry-After", "")
+                    time_left_s = deadline_ts - time.perf_counter()
+                    delay_s = retry_wait_s(response.status, retry_after, tracker.attempts, self.retries, time_left_s)
+                    if delay_s is None:
                         return tracker.finish(
                             time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}"
                         )
@@ -163,12 +175,6 @@ class StreamingClient:
             started = tracker.http_status == 200
             outcome = Outcome.BROKEN_STREAM if started else Outcome.REJECTED
             return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
-
-    def _retry_delay_s(self, response: aiohttp.ClientResponse, attempts: int) -> float | None:
-        """How long to wait before sending a refused request again, or None: not again."""
-        if response.status not in (429, 503) or attempts > self.retries:
-            return None
-        return retry_delay_s(response.headers.get("Retry-After", ""), attempts)
 
     async def _read(self, response: aiohttp.ClientResponse, tracker: StreamTracker) -> RequestRecord:
         watchdog = _StallWatchdog(response, tracker, self.stall_timeout_s)

@@ -49,6 +49,7 @@ from urllib3.exceptions import ReadTimeoutError
 
 from loadgen import web_login
 from loadgen.arrivals import Arrival
+from loadgen.client import retry_wait_s
 from loadgen.merged_run import merged_result
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
@@ -95,6 +96,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--shape", env_var="LOCUST_SHAPE", default="constant", help="constant, onoff:, spike:, step:")
     group.add_argument("--stall-timeout", env_var="LOCUST_STALL_TIMEOUT", default="30s")
     group.add_argument("--request-timeout", env_var="LOCUST_REQUEST_TIMEOUT", default="600s")
+    group.add_argument(
+        "--retries",
+        env_var="LOCUST_RETRIES",
+        type=int,
+        default=0,
+        help="send a request refused with 429 or 503 again after its Retry-After, up to this many times",
+    )
     group.add_argument(
         "--arrival",
         env_var="LOCUST_ARRIVAL",
@@ -154,6 +162,7 @@ class BaseStreamUser(HttpUser):
         self.exact_output = options.exact_output == "true"
         self.stall_timeout_s = parse_duration(options.stall_timeout)
         self.request_timeout_s = parse_duration(options.request_timeout)
+        self.retries = options.retries
         # The user's own draws (suffixes, user messages, lengths): users of a run must not all send the same.
         self.seed = uuid.uuid4().int % (1 << 31)
 
@@ -176,23 +185,32 @@ class BaseStreamUser(HttpUser):
             stall_timeout_s=self.stall_timeout_s,
             collect_text=keep_text,
         )
-        with self.client.post(
-            planned.path,
-            json=body,
-            headers={"X-Request-Id": request_id},
-            stream=True,
-            catch_response=True,
-            timeout=self.request_timeout_s,
-        ) as response:
-            tracker.http_status = response.status_code
-            if response.status_code != 200:
-                response.failure(f"rejected: HTTP {response.status_code}")
-                return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status_code}"), ""
-            record = self._read(response, tracker)
-            if record.outcome is Outcome.OK:
-                response.success()
-            else:
-                response.failure(f"{record.outcome.value}: {record.error}")
+        while True:
+            with self.client.post(
+                planned.path,
+                json=body,
+                headers={"X-Request-Id": request_id},
+                stream=True,
+                catch_response=True,
+                timeout=self.request_timeout_s,
+            ) as response:
+                status = tracker.http_status = response.status_code
+                if status == 200:
+                    record = self._read(response, tracker)
+                    if record.outcome is Outcome.OK:
+                        response.success()
+                    else:
+                        response.failure(f"{record.outcome.value}: {record.error}")
+                    break
+                time_left_s = sent_ts + self.request_timeout_s - time.perf_counter()
+                retry_after = response.headers.get("Retry-After", "")
+                delay_s = retry_wait_s(status, retry_after, tracker.attempts, self.retries, time_left_s)
+                # Every refusal is a failed POST in Locust's table, a retried one too: the server refused it.
+                response.failure(f"rejected: HTTP {status}" + ("" if delay_s is None else " (sent again)"))
+                if delay_s is None:
+                    return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {status}"), ""
+            gevent.sleep(delay_s)
+            tracker.attempts += 1
         self._report(planned.path, ttft_name, record)
         return record, tracker.text
 
@@ -402,6 +420,7 @@ def _open_loop_config(environment, num_shards: int = 1) -> RunConfig:
         max_concurrency=None,
         request_timeout_s=parse_duration(options.request_timeout),
         stall_timeout_s=parse_duration(options.stall_timeout),
+        retries=options.retries,
         exact_output=options.exact_output == "true",
         seed=options.seed,
         slo=None,

@@ -261,3 +261,25 @@ def test_an_open_loop_plan_sharded_over_two_workers_comes_back_as_one_run(tmp_pa
     assert 0.015 <= run.summary.itl.p50 <= 0.04  # scripted 20 ms
     assert "Locust workers" in run.advisories[0]
     assert next(results.glob("locust-*.json")).with_suffix(".html").is_file()
+
+
+def test_a_locust_user_sends_a_refused_request_again_with_retries(tmp_path):
+    """Every tenth request of the mixed plan is answered 429: with --retries each is sent again (0.5 s later: the
+    scripted server names no Retry-After) and none ends refused; each refusal stays a failed POST in Locust's table."""
+    results = tmp_path / "results"
+    with scripted_server("--fault-plan", "mixed") as server:
+        process = locust(
+            *OPTIONS, "--host", server.base_url, "--arrival", "poisson:rate=30", "--num-requests", "30",
+            "--workload", "random", "--input-len", "fixed:32", "-u", "1", "-r", "1", "-t", "60s", "--retries", "3",
+            "--results-dir", str(results), "--csv", str(tmp_path / "run"), cwd=tmp_path,
+        )  # fmt: skip
+        output, _ = process.communicate(timeout=90)
+    assert process.returncode in (0, 1), output  # 1: the mixed plan's broken streams fail
+    run = RunResult.read(next(results.glob("locust-*.json")))
+    assert run.config.retries == 3
+    came_back = [r for r in run.records if r.attempts > 1]
+    assert len(came_back) >= 2
+    assert all(r.ttft_s is None or r.ttft_s >= 0.5 for r in came_back), "its TTFT runs from the first send"
+    assert not [r for r in run.records if r.outcome is Outcome.REJECTED], "every refusal was sent again"
+    posts = read_stats(tmp_path / "run")["POST"]
+    assert int(posts["Failure Count"]) >= len(came_back)
