@@ -8,7 +8,7 @@ forecast does. A step takes what the cost model says for its shape, plus its blo
 its start; a token reaches its client the engine's token latency after the step that sampled it ends. A request
 produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token). While every
 running request only decodes, steps go in one run (``engine.core.virtual_run.DecodeRun``) that takes arrivals in
-through the scheduler's own admission phase and keeps the running requests' progress lazily: the same decisions and
+through the scheduler's own phases and keeps the running requests' progress lazily: the same decisions and
 times at a cost per request rather than per request per step.
 
 Faults follow a timeline of windows, each set at its start and cleared at its end as a chaos experiment's rollback

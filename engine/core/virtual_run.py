@@ -121,7 +121,7 @@ class DecodeRun:
     where its table needs another block (allocated in the step that needs it, so what is free is exact at every step)
     and where it gets its last token. A run keeps how many of its steps each request has applied to its own state, and
     brings a request up to date when it leaves the run or the run closes; waiting requests come in through the
-    scheduler's own admission phase (``Scheduler.plan_admissions``). The same decisions as planning every step (tests
+    scheduler's own phases (``Scheduler.plan_run_step``). The same decisions as planning every step (tests
     compare them), at a cost per request instead of per request per step. Whatever reads the running requests'
     progress otherwise (a step the scheduler plans, a fault, an abort, a snapshot) must ``close`` the run first.
 
@@ -177,21 +177,20 @@ class DecodeRun:
         kv = scheduler.kv
         if not all(DecodeRun.fits(request, kv) for request in running[:-1]):
             return False
-        return not running or DecodeRun.fits(running[-1], kv) or DecodeRun._prefills_from_its_blocks(running[-1], kv)
+        if not running or DecodeRun.fits(running[-1], kv):
+            return True
+        newest = running[-1]
+        return newest.num_computed_tokens < newest.num_tokens - 1 and DecodeRun._holds_just_its_kv(newest, kv)
 
     @staticmethod
     def fits(request: VirtualRequest, kv: KVCacheManager) -> bool:
         """Whether ``request`` decodes one token a step (its prompt done) from a table of just the blocks its KV
         fills: what a run needs of every request in it."""
-        return request.num_computed_tokens == request.num_tokens - 1 and len(
-            kv.block_ids(request.request_id)
-        ) == num_blocks_for(request.num_computed_tokens, kv.block_size)
+        return request.num_computed_tokens == request.num_tokens - 1 and DecodeRun._holds_just_its_kv(request, kv)
 
     @staticmethod
-    def _prefills_from_its_blocks(request: VirtualRequest, kv: KVCacheManager) -> bool:
-        return request.num_computed_tokens < request.num_tokens - 1 and len(
-            kv.block_ids(request.request_id)
-        ) == num_blocks_for(request.num_computed_tokens, kv.block_size)
+    def _holds_just_its_kv(request: VirtualRequest, kv: KVCacheManager) -> bool:
+        return len(kv.block_ids(request.request_id)) == num_blocks_for(request.num_computed_tokens, kv.block_size)
 
     @property
     def num_steps(self) -> int:

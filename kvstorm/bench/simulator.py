@@ -55,6 +55,8 @@ class Case:
     workload: str = "random"
     # The server's TTFT objective (``--ttft-slo``), which its admission control and the simulated one keep.
     ttft_slo: str | None = None
+    # How many times a client sends a request refused with 429 again (``--retries``), on both sides.
+    retries: int = 0
 
 
 CASES = {
@@ -82,6 +84,10 @@ CASES = {
     ),
     # Several times what the engine serves, under a TTFT objective: admission refuses what would miss it.
     "admission": Case("poisson:rate=10", "uniform:64-512", "uniform:32-256", duration_s=60, ttft_slo="3s"),
+    # The same, with clients that send a refused request again after its Retry-After, twice at most (OpenAI's SDK).
+    "admission-retries": Case(
+        "poisson:rate=10", "uniform:64-512", "uniform:32-256", duration_s=60, ttft_slo="3s", retries=2
+    ),
 }
 
 
@@ -174,7 +180,7 @@ def _fit_profile(server_args: str, path: Path) -> Path:
 
 
 def _config(case: Case, seed: int) -> RunConfig:
-    return open_loop_load(
+    config = open_loop_load(
         "",
         "",  # the server's: both are filled in when it is up
         case.arrival,
@@ -185,6 +191,7 @@ def _config(case: Case, seed: int) -> RunConfig:
         seed=seed,
         workload=case.workload,
     )
+    return config.model_copy(update={"retries": case.retries})
 
 
 def _run_real(case: Case, config: RunConfig, server_args: str) -> tuple[RunResult, int]:
@@ -278,7 +285,10 @@ def _markdown(args: argparse.Namespace, profile, rows: list[tuple[str, Side, Sid
             outside.append("preemptions")
         verdict = "within bounds" if not outside else "**outside** on " + ", ".join(outside)
         paired_text = "-" if paired is None else f"{paired:.2f}x"
-        objective = "" if CASES[name].ttft_slo is None else f" (both with `--ttft-slo {CASES[name].ttft_slo}`)"
+        case = CASES[name]
+        setting = [f"both with `--ttft-slo {case.ttft_slo}`"] if case.ttft_slo else []
+        setting += [f"clients with `--retries {case.retries}`"] if case.retries else []
+        objective = f" ({', '.join(setting)})" if setting else ""
         verdicts.append(
             f"- {name}{objective}: simulated / real: {ratio_text}; preemptions {simulated.preemptions} vs "
             f"{real.preemptions}: "
