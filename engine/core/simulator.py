@@ -3,7 +3,7 @@ step-cost model (``engine.core.step_cost``) where the model runner would be.
 
 Every rule is the engine's own: ``Scheduler.plan_step`` decides each step (budget, chunked prefill, watermark,
 preemption by swap or recompute chosen by the same policy, which learns from the simulated step times as the engine's
-learns from measured ones, prefix caching) and ``engine.core.forecast.advance`` moves it on, as the admission
+learns from measured ones, prefix caching) and ``engine.core.virtual_run.advance`` moves it on, as the admission
 forecast does. A step takes what the cost model says for its shape, plus its block moves, plus the faults active at
 its start; a token reaches its client the engine's token latency after the step that sampled it ends. A request
 produces all its ``max_tokens`` (the load's exact-output mode: a simulator cannot know a stop token). While every
@@ -490,8 +490,8 @@ class Simulation:
     def _run_decodes(self, until_s: float) -> bool:
         """Steps of the open decode run (``engine.core.virtual_run.DecodeRun``; opened if none is and one can be)
         until the clock reaches ``until_s`` (the step in progress may end after it), a turn of a session ends, or the
-        run cannot go on (it is then closed): a running request needs a block the pool lacks, a waiting one is taken
-        in only in part, or one waits where a step must be planned on its own (admission decides arrivals on the
+        run cannot go on (it is then closed): a running request needs a block the pool lacks, one taken in part is
+        not the newest, or one waits where a step must be planned on its own (admission decides arrivals on the
         engine's snapshot between steps; an out-of-memory fault prices the whole batch). False when no step ran."""
         scheduler, faults = self.scheduler, self.faults
         run = self.decode_run
