@@ -54,7 +54,7 @@ from loadgen.merged_run import merged_result
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
 from loadgen.report import write_report
-from loadgen.results import RunConfig
+from loadgen.results import MAX_RETRIES, RunConfig
 from loadgen.sessions import Conversation, build_sessions
 from loadgen.shapes import make_shape
 from loadgen.spec import parse_duration, parse_spec
@@ -438,6 +438,8 @@ def check_open_loop(environment, **_kwargs) -> None:
     options = environment.parsed_options
     if options is None or options.worker:
         return
+    if not 0 <= options.retries <= MAX_RETRIES:
+        raise SystemExit(f"--retries must be in 0-{MAX_RETRIES}, got {options.retries}")
     if not options.arrival:
         if "OpenLoopUser" in options.user_classes:
             raise SystemExit("OpenLoopUser sends the schedule of --arrival: give one")

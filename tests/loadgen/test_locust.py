@@ -283,3 +283,10 @@ def test_a_locust_user_sends_a_refused_request_again_with_retries(tmp_path):
     assert not [r for r in run.records if r.outcome is Outcome.REJECTED], "every refusal was sent again"
     posts = read_stats(tmp_path / "run")["POST"]
     assert int(posts["Failure Count"]) >= len(came_back)
+
+
+def test_a_retry_count_out_of_bounds_is_refused_before_anything_starts(tmp_path):
+    process = locust(*OPTIONS, "--host", "http://127.0.0.1:9", "--retries", "99", "-t", "1s", cwd=tmp_path)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode != 0
+    assert "--retries must be in 0-10, got 99" in output
