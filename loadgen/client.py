@@ -33,19 +33,20 @@ INITIAL_BACK_OFF_S, MAX_BACK_OFF_S = 0.5, 8.0
 MAX_RETRY_AFTER_S = 60
 
 
-def retry_wait_s(status: int, retry_after: str, attempts: int, retries: int, time_left_s: float) -> float | None:
+def retry_wait_s(retries: int, status: int, retry_after: str, attempts: int, time_left_s: float) -> float | None:
     """How long a client waits before it sends a refused request again, after ``attempts`` sends of at most
     ``1 + retries``; None when it does not: another status than 429 or 503, no retry left, or a wait past the
-    ``time_left_s`` its request timeout leaves."""
+    ``time_left_s`` its request timeout leaves. The rule of every kvstorm client: ``StreamingClient``, Locust's
+    users and the simulator's."""
     if status not in (429, 503) or attempts > retries:
         return None
-    delay_s = retry_delay_s(retry_after, attempts)
+    delay_s = _retry_delay_s(retry_after, attempts)
     return delay_s if delay_s < time_left_s else None
 
 
-def retry_delay_s(retry_after: str, attempts: int) -> float:
+def _retry_delay_s(retry_after: str, attempts: int) -> float:
     """How long a client waits before it sends a refused request again, after ``attempts`` sends: the refusal's
-    Retry-After (seconds) if it gives a usable one, else the back-off (the simulator's clients wait the same)."""
+    Retry-After (seconds) if it gives a usable one, else the back-off."""
     if retry_after.isdigit() and int(retry_after) <= MAX_RETRY_AFTER_S:
         return float(retry_after)
     return min(INITIAL_BACK_OFF_S * 2 ** (attempts - 1), MAX_BACK_OFF_S)
@@ -161,7 +162,7 @@ class StreamingClient:
                     detail = (await response.text())[:300]
                     retry_after = response.headers.get("Retry-After", "")
                     time_left_s = deadline_ts - time.perf_counter()
-                    delay_s = retry_wait_s(response.status, retry_after, tracker.attempts, self.retries, time_left_s)
+                    delay_s = retry_wait_s(self.retries, response.status, retry_after, tracker.attempts, time_left_s)
                     if delay_s is None:
                         return tracker.finish(
                             time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}"

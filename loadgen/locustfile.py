@@ -204,7 +204,7 @@ class BaseStreamUser(HttpUser):
                     break
                 time_left_s = sent_ts + self.request_timeout_s - time.perf_counter()
                 retry_after = response.headers.get("Retry-After", "")
-                delay_s = retry_wait_s(status, retry_after, tracker.attempts, self.retries, time_left_s)
+                delay_s = retry_wait_s(self.retries, status, retry_after, tracker.attempts, time_left_s)
                 # Every refusal is a failed POST in Locust's table, a retried one too: the server refused it.
                 response.failure(f"rejected: HTTP {status}" + ("" if delay_s is None else " (sent again)"))
                 if delay_s is None:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from engine.core.admission import AdmissionLimits
 from engine.core.simulator import (
     FaultWindow,
+    RetryWait,
     SimulatedArrival,
     SimulatedEngine,
     SimulatedRequest,
@@ -47,11 +48,10 @@ class Fleet:
         faults: Sequence[tuple[FaultWindow, Sequence[int]]] = (),
         request_timeout_s: float = 600.0,
         admission: AdmissionLimits | None = None,
-        retries: int = 0,
-        retry_delay_s: Callable[[str, int], float] | None = None,
+        retry_wait_s: RetryWait | None = None,
     ) -> None:
-        """``faults``: each window with the replicas it hits; ``admission``: every replica's limits; ``retries`` and
-        ``retry_delay_s``: the clients' (``Simulation``'s); a retry is routed again, as a new connection is."""
+        """``faults``: each window with the replicas it hits; ``admission``: every replica's limits; ``retry_wait_s``:
+        the clients' (``Simulation``'s); a retry is routed again, as a new connection is."""
         if num_replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, got {num_replicas}")
         if router not in ROUTERS:
@@ -65,8 +65,7 @@ class Fleet:
                 faults=[window for window, hit in faults if index in hit],
                 request_timeout_s=request_timeout_s,
                 admission=admission,
-                retries=retries,
-                retry_delay_s=retry_delay_s,
+                retry_wait_s=retry_wait_s,
             )
             for index in range(num_replicas)
         ]

@@ -60,6 +60,9 @@ from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
 from engine.core.virtual_run import DecodeRun, RunStep, RunStepOutcome, VirtualRequest, advance
 
+# (HTTP status, Retry-After, sends so far, seconds the request timeout leaves) -> seconds to wait, or None: no retry.
+RetryWait = Callable[[int, str, int, float], float | None]
+
 
 class StepCost(Protocol):
     swap_block_s: float
@@ -335,17 +338,13 @@ class Simulation:
         fast_forward: bool = True,
         sessions: Sequence[SimulatedSession] = (),
         admission: AdmissionLimits | None = None,
-        retries: int = 0,
-        retry_delay_s: Callable[[str, int], float] | None = None,
+        retry_wait_s: RetryWait | None = None,
     ) -> None:
         """``admission``: the server's admission limits (None, or none set: every request is admitted).
-        ``retries``: how many times a client sends a request refused with 429 again, ``retry_delay_s`` after the
-        refusal (given its Retry-After and the sends so far: ``loadgen.client.retry_delay_s``), while its request
-        timeout from the first send allows."""
-        if retries and retry_delay_s is None:
-            raise ValueError("retries need the clients' retry delay")
+        ``retry_wait_s``: how long a client waits before it sends a request refused with 429 again, or None: it does
+        not (``loadgen.client.retry_wait_s`` with its retries; None: no client retries)."""
         self.engine = engine
-        self.retries, self.retry_delay_s = retries, retry_delay_s
+        self.retry_wait_s = retry_wait_s
         # (when, request): refused requests whose clients send them again then.
         self.retrying: list[tuple[float, SimulatedRequest]] = []
         self.admission_limits = admission if admission is not None and admission.limits_anything else None
@@ -709,11 +708,13 @@ class Simulation:
 
     def _retry(self, request: SimulatedRequest, refusal: AdmissionRefused) -> bool:
         """Whether ``request``'s client sends it again after ``refusal`` (then it is queued to arrive again)."""
-        if request.attempts > self.retries:
+        if self.retry_wait_s is None:
             return False
-        again_s = request.sent_at_s + self.retry_delay_s(str(refusal.retry_after_s), request.attempts)
-        if again_s >= request.arrival.at_s + self.request_timeout_s:
+        time_left_s = request.arrival.at_s + self.request_timeout_s - request.sent_at_s
+        wait_s = self.retry_wait_s(429, str(refusal.retry_after_s), request.attempts, time_left_s)
+        if wait_s is None:
             return False
+        again_s = request.sent_at_s + wait_s
         request.attempts += 1
         request.sent_at_s = again_s
         self.retrying.append((again_s, request))

@@ -8,6 +8,7 @@ Prometheus server would have given a real run, sampled after each simulated step
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
@@ -22,7 +23,7 @@ from engine.core.simulator import SimulationResult as EngineSimulation
 from kvstorm.admission_options import describe_admission
 from kvstorm.simulate.conversations import ChatTokens, EstimatedTokens, simulated_sessions
 from loadgen.analysis import advisories, parse_slos, summarize
-from loadgen.client import retry_delay_s
+from loadgen.client import retry_wait_s
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
 from loadgen.results import FaultWindow as ReportedWindow
@@ -116,8 +117,7 @@ def simulate(
         faults,
         request_timeout_s=config.request_timeout_s,
         admission=admission,
-        retries=config.retries,
-        retry_delay_s=retry_delay_s,
+        retry_wait_s=functools.partial(retry_wait_s, config.retries) if config.retries else None,
     )
     engine_side = fleet.merged(fleet.run(arrivals, sessions))
     wall_s = time.perf_counter() - started

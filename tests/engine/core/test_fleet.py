@@ -13,7 +13,7 @@ from engine.core.admission import AdmissionLimits
 from engine.core.block_hash import extend_block_hashes
 from engine.core.fleet import Fleet
 from engine.core.simulator import FaultWindow, Outcome, SimulatedArrival, Simulation
-from tests.engine.core.test_simulator import conversations, engine, poisson
+from tests.engine.core.test_simulator import clients_retrying, conversations, engine, poisson
 
 
 def test_a_fleet_of_one_is_the_plain_simulation():
@@ -187,8 +187,7 @@ def test_a_fleets_retry_is_routed_again():
         2,
         "round-robin",
         admission=AdmissionLimits(max_waiting=1),
-        retries=5,
-        retry_delay_s=lambda retry_after, attempts: float(retry_after),
+        retry_wait_s=clients_retrying(5),
     )
     requests = fleet.run(arrivals)
     assert [request.outcome for request in requests] == [Outcome.OK] * 12

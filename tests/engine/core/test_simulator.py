@@ -5,6 +5,7 @@ the pools and queues keep every invariant after each step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import random
 
@@ -22,6 +23,7 @@ from engine.core.simulator import (
     Simulation,
 )
 from engine.core.step_cost import LinearStepCost, StepShape
+from loadgen.client import retry_wait_s
 
 COST = LinearStepCost(
     per_step_s=0.010,
@@ -339,8 +341,8 @@ def test_sessions_in_runs_of_decode_steps_decide_and_time_exactly_as_step_by_ste
         assert fast_request.num_cached_tokens == slow_request.num_cached_tokens
 
 
-def back_off_as_told(retry_after: str, attempts: int) -> float:
-    return float(retry_after)
+def clients_retrying(retries: int):
+    return functools.partial(retry_wait_s, retries)
 
 
 def test_a_client_that_retries_a_429_comes_back_after_its_retry_after_with_its_times_from_the_first_send():
@@ -348,9 +350,7 @@ def test_a_client_that_retries_a_429_comes_back_after_its_retry_after_with_its_t
     limits = AdmissionLimits(max_waiting=1)  # one runs, one waits, the rest are refused
     once = Simulation(engine(max_num_seqs=1), arrivals, admission=limits).run()
     assert outcomes(once)[Outcome.REJECTED] >= 3
-    again = Simulation(
-        engine(max_num_seqs=1), arrivals, admission=limits, retries=5, retry_delay_s=back_off_as_told
-    ).run()
+    again = Simulation(engine(max_num_seqs=1), arrivals, admission=limits, retry_wait_s=clients_retrying(5)).run()
     assert outcomes(again)[Outcome.OK] == len(again.requests) == 6
     came_back = [request for request in again.requests if request.attempts > 1]
     assert len(came_back) >= 3
@@ -362,7 +362,7 @@ def test_a_client_that_retries_a_429_comes_back_after_its_retry_after_with_its_t
 def test_a_retry_that_comes_back_when_told_keeps_its_place_in_line_and_the_whole_objective():
     arrivals = [SimulatedArrival(index, 1.0 + index * 0.01, 300, 16) for index in range(30)]
     limits = AdmissionLimits(ttft_slo_s=1.0)
-    result = Simulation(engine(), arrivals, admission=limits, retries=3, retry_delay_s=back_off_as_told).run()
+    result = Simulation(engine(), arrivals, admission=limits, retry_wait_s=clients_retrying(3)).run()
     honoured = [
         request
         for request in result.requests
@@ -370,8 +370,3 @@ def test_a_retry_that_comes_back_when_told_keeps_its_place_in_line_and_the_whole
     ]
     assert honoured, "a retry admitted on the promise of its Retry-After takes its first send's place in line"
     assert all(request.sent_at_s > request.arrival.at_s for request in honoured)
-
-
-def test_retries_without_a_delay_are_refused():
-    with pytest.raises(ValueError, match="retry delay"):
-        Simulation(engine(), [], retries=2)
