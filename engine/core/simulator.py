@@ -554,13 +554,18 @@ class Simulation:
     def _took_in(self, planned: RunStep, outcome: RunStepOutcome, step_s: float, delivered_s: float) -> None:
         """A run's step took requests in: the preemption policy learns from a prefill-heavy step, as the engine's
         does; a first token reaches its client, and a request of one token is done."""
-        num_batched_tokens = planned.num_decodes + sum(num_new for _, num_new in planned.batch)
-        if planned.shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
-            self.scheduler.preemption_policy.observe_prefill(num_batched_tokens, step_s)
+        self._learn_prefill_speed(planned.shape, step_s)
         for request in outcome.sampled:
             request.token_times_s.append(delivered_s)
             if request.num_remaining_outputs <= 0:
                 self._end(request, Outcome.OK)
+
+    def _learn_prefill_speed(self, shape: StepShape, step_s: float) -> None:
+        """The preemption policy learns the speed of recompute from a step that is mostly prefill, as the engine's
+        does (``LLMEngine._record``)."""
+        num_batched_tokens = shape.num_prefill_tokens + shape.num_decodes
+        if shape.num_prefill_tokens > num_batched_tokens // 2:
+            self.scheduler.preemption_policy.observe_prefill(num_batched_tokens, step_s)
 
     def _close_decode_run(self) -> None:
         """Bring every request of the open decode run (if any) up to date: the scheduler's state is whole again."""
@@ -607,8 +612,7 @@ class Simulation:
                     admission.observe_first_token(request.model_ttft_s, end_s - request.sent_at_s)
                 if request.num_remaining_outputs <= 0:
                     self._end(request, Outcome.OK)
-            if shape.num_prefill_tokens > num_batched_tokens // 2:  # as the engine learns (LLMEngine._record)
-                scheduler.preemption_policy.observe_prefill(num_batched_tokens, duration_s)
+            self._learn_prefill_speed(shape, duration_s)
             if admission is not None:
                 admission.observe_step(shape.num_prefill_tokens, shape.num_decodes, duration_s)
         scheduler.preemption_policy.observe_swap(num_moved, swap_s)

@@ -54,9 +54,9 @@ class VirtualRequest:
         self.num_cached_tokens: int | None = None
 
     def add_invented_outputs(self, count: int, block_size: int, hashed: bool) -> None:
-        """``count`` more output tokens, whose values the forecast cannot know. With ``hashed`` (prefix caching on),
-        a block they fill gets a hash of its own all the same: no other request shares it, but a recompute of this
-        one finds it cached, as in the engine."""
+        """``count`` more output tokens, whose values no one running the scheduler ahead can know. With ``hashed``
+        (prefix caching on), a block they fill gets a hash of its own all the same: no other request shares it, but a
+        recompute of this one finds it cached, as in the engine."""
         num_full_before = self.num_tokens // block_size
         self.num_tokens += count
         if not hashed or self.num_tokens // block_size == num_full_before:  # most calls: no block filled

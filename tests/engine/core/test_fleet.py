@@ -180,7 +180,7 @@ def test_a_fleet_run_leaves_nothing_for_the_cycle_collector_it_pauses():
             gc.enable()
 
 
-def test_a_fleets_retry_is_routed_again():
+def test_a_fleets_clients_retry_their_429s_and_every_request_ends_ok():
     arrivals = [SimulatedArrival(index, 1.0 + index * 0.005, 64, 8) for index in range(12)]
     fleet = Fleet(
         engine(max_num_seqs=1),
