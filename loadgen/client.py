@@ -1,8 +1,9 @@
-"""Streams one request to an OpenAI-compatible server with aiohttp and measures it (see :mod:`loadgen.tracker`).
+"""Streams one request to an OpenAI-compatible server and measures it (see :mod:`loadgen.tracker`).
 
-Timing: every read is stamped with ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux) as soon as aiohttp hands it
-over; events that arrive in one read share its stamp. The connection pool is unbounded (``limit=0``): aiohttp's
-default of 100 connections would silently queue requests and hide the server's latency (coordinated omission).
+Timing: every read is stamped with ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux) as the event loop hands it to
+the transport (:mod:`loadgen.http_stream`), before it is parsed; events that arrive in one read share its stamp.
+Connections are not capped: a cap would silently queue requests and hide the server's latency (coordinated
+omission).
 
 Retries (``retries``, 0 by default): a request refused with 429 or 503 is sent again, the same body, after the
 refusal's Retry-After (seconds; without one, 0.5 s doubling to at most 8 s, as OpenAI's Python SDK backs off), as
@@ -13,12 +14,13 @@ from the first: the wait is its user's.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from loadgen.counters import RunCounters
+from loadgen.http_stream import ConnectionPool, DeadlineExceeded, TransportError
 from loadgen.records import Outcome, RequestRecord
 from loadgen.tracker import StreamTracker
 from loadgen.workloads import PlannedRequest, request_body
@@ -57,7 +59,7 @@ class StallTimeout(Exception):
 
 
 class StreamingClient:
-    """One aiohttp session for a whole run; :meth:`send` streams one planned request and returns its record.
+    """One connection pool for a whole run; :meth:`send` streams one planned request and returns its record.
 
     ``exact_output``: see :func:`loadgen.workloads.request_body`. ``request_timeout_s`` bounds a whole request
     (client_timeout); ``stall_timeout_s`` bounds each gap between tokens once the first token arrived
@@ -87,7 +89,7 @@ class StreamingClient:
         self.extra_body = extra_body or {}
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.counters = counters or RunCounters()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
 
     @classmethod
     def for_run(
@@ -112,13 +114,12 @@ class StreamingClient:
         )
 
     async def __aenter__(self) -> StreamingClient:
-        connector = aiohttp.TCPConnector(limit=0)
-        self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
+        self._pool = ConnectionPool(self.base_url, self.headers)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     async def send(self, planned: PlannedRequest, *, request_id: str, run_start_ts: float) -> RequestRecord:
         return (await self.send_for_text(planned, request_id=request_id, run_start_ts=run_start_ts, keep_text=False))[0]
@@ -127,7 +128,7 @@ class StreamingClient:
         self, planned: PlannedRequest, *, request_id: str, run_start_ts: float, keep_text: bool = True
     ) -> tuple[RequestRecord, str]:
         """The record and (``keep_text``) the streamed text: what a conversation sends back in its next turn."""
-        if self._session is None:
+        if self._pool is None:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = request_body(planned, self.model, exact_output=self.exact_output, extra_body=self.extra_body)
         self.counters.num_sent += 1
@@ -148,58 +149,78 @@ class StreamingClient:
         return record, tracker.text
 
     async def _stream(self, path: str, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:
-        headers = {"X-Request-Id": request_id}
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        body_bytes = json.dumps(body).encode()
         deadline_ts = tracker.sent_ts + self.request_timeout_s
-        try:
-            while True:
-                timeout = aiohttp.ClientTimeout(total=max(deadline_ts - time.perf_counter(), 1e-3))
-                async with self._session.post(
-                    self.base_url + path, json=body, headers=headers, timeout=timeout
-                ) as response:
-                    tracker.http_status = response.status
-                    if response.status == 200:
-                        return await self._read(response, tracker)
-                    detail = (await response.text())[:300]
-                    retry_after = response.headers.get("Retry-After", "")
-                    time_left_s = deadline_ts - time.perf_counter()
-                    delay_s = retry_wait_s(self.retries, response.status, retry_after, tracker.attempts, time_left_s)
-                    if delay_s is None:
-                        return tracker.finish(
-                            time.perf_counter(), Outcome.REJECTED, f"HTTP {response.status}: {detail}"
-                        )
-                await asyncio.sleep(delay_s)
-                tracker.attempts += 1
-        except asyncio.TimeoutError:
-            message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
-            return tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
-        except aiohttp.ClientError as error:
-            started = tracker.http_status == 200
-            outcome = Outcome.BROKEN_STREAM if started else Outcome.REJECTED
-            return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
+        while True:
+            reception = _Reception(tracker, self.counters, self.stall_timeout_s)
+            try:
+                await self._pool.post(path, body_bytes, headers, reception, deadline_ts)
+            except DeadlineExceeded:
+                message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
+                return tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
+            except StallTimeout as stall:
+                return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, str(stall))
+            except TransportError as error:
+                outcome = Outcome.BROKEN_STREAM if tracker.http_status == 200 else Outcome.REJECTED
+                return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
+            finally:
+                reception.stop_watchdog()
+            if tracker.http_status == 200:
+                return tracker.finish(time.perf_counter())
+            time_left_s = deadline_ts - time.perf_counter()
+            delay_s = retry_wait_s(
+                self.retries, tracker.http_status, reception.retry_after, tracker.attempts, time_left_s
+            )
+            if delay_s is None:
+                detail = reception.error_text()
+                return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {tracker.http_status}: {detail}")
+            await asyncio.sleep(delay_s)
+            tracker.attempts += 1
 
-    async def _read(self, response: aiohttp.ClientResponse, tracker: StreamTracker) -> RequestRecord:
-        watchdog = _StallWatchdog(response, tracker, self.stall_timeout_s)
-        try:
-            async for chunk in response.content.iter_any():
-                now_ts = time.perf_counter()
-                num_tokens = tracker.feed(chunk, now_ts)
-                if num_tokens:
-                    self.counters.num_tokens += num_tokens
-                    watchdog.arm()
-        except StallTimeout as stall:
-            response.close()
-            return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, str(stall))
-        finally:
-            watchdog.cancel()
-        return tracker.finish(time.perf_counter())
+
+class _Reception:
+    """One send's response as the transport delivers it: a 200's body goes to the stream tracker read by read, from
+    the transport's callback; of any other status the first bytes are kept for the error message."""
+
+    ERROR_TEXT_CHARS = 300
+
+    def __init__(self, tracker: StreamTracker, counters: RunCounters, stall_timeout_s: float) -> None:
+        self.tracker, self.counters, self.stall_timeout_s = tracker, counters, stall_timeout_s
+        self.retry_after = ""
+        self._error_body = bytearray()
+        self._watchdog: _StallWatchdog | None = None
+
+    def response_started(self, status: int, headers: dict[str, str], abort: Callable[[BaseException], None]) -> None:
+        self.tracker.http_status = status
+        self.retry_after = headers.get("retry-after", "")
+        if status == 200:
+            self._watchdog = _StallWatchdog(abort, self.tracker, self.stall_timeout_s)
+
+    def body(self, data: bytes, read_ts: float) -> None:
+        if self._watchdog is None:
+            if len(self._error_body) < 4 * self.ERROR_TEXT_CHARS:
+                self._error_body += data
+            return
+        num_tokens = self.tracker.feed(data, read_ts)
+        if num_tokens:
+            self.counters.num_tokens += num_tokens
+            self._watchdog.arm()
+
+    def error_text(self) -> str:
+        return self._error_body.decode("utf-8", errors="replace")[: self.ERROR_TEXT_CHARS]
+
+    def stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
 
 
 class _StallWatchdog:
     """Wakes once per stall period, not once per token: a token only moves ``tracker.last_token_ts`` forward, and
     the timer re-arms itself for the new deadline when it fires early."""
 
-    def __init__(self, response: aiohttp.ClientResponse, tracker: StreamTracker, stall_timeout_s: float) -> None:
-        self._response, self._tracker, self._stall_timeout_s = response, tracker, stall_timeout_s
+    def __init__(self, abort: Callable[[BaseException], None], tracker: StreamTracker, stall_timeout_s: float) -> None:
+        self._abort, self._tracker, self._stall_timeout_s = abort, tracker, stall_timeout_s
         self._handle: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -219,8 +240,7 @@ class _StallWatchdog:
         if gap_s < self._stall_timeout_s:
             self._schedule()
             return
-        message = f"stalled: no token for {gap_s:.3f} s (stall timeout {self._stall_timeout_s:g} s)"
-        self._response.content.set_exception(StallTimeout(message))
+        self._abort(StallTimeout(f"stalled: no token for {gap_s:.3f} s (stall timeout {self._stall_timeout_s:g} s)"))
 
     def cancel(self) -> None:
         if self._handle is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 
+import orjson
+
 from loadgen.records import Outcome, RequestRecord
 from loadgen.sse import SseParser
 
@@ -78,8 +80,8 @@ class StreamTracker:
             self.done_ts = now_ts
             return
         try:
-            payload = json.loads(data)
-        except json.JSONDecodeError:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
             self._problem(f"event data is not JSON: {data[:80]!r}")
             return
         if "error" in payload:
