@@ -58,7 +58,7 @@ class ConnectionPool:
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._path_prefix = parts.path.rstrip("/")
         fixed = {"Host": parts.netloc.rpartition("@")[2], "Accept": "*/*", **(headers or {})}
-        self._fixed_headers = "".join(f"{name}: {value}\r\n" for name, value in fixed.items())
+        self._fixed_headers = _header_lines(fixed)
         self._idle: list[_Connection] = []
         self._backlog = _ReadBacklog()
 
@@ -70,9 +70,8 @@ class ConnectionPool:
         it cuts the connection. The deadline is a timer on the connection, not ``asyncio.wait_for``: that keeps every
         exception it raised in a reference cycle (its frame holds the task that holds the exception)."""
         head = (
-            f"POST {self._path_prefix}{path} HTTP/1.1\r\n{self._fixed_headers}"
-            + "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-            + f"Content-Length: {len(body)}\r\n\r\n"
+            f"POST {self._path_prefix}{path} HTTP/1.1\r\n{self._fixed_headers}{_header_lines(headers)}"
+            f"Content-Length: {len(body)}\r\n\r\n"
         )
         request = head.encode("latin-1") + body
         loop = asyncio.get_running_loop()
@@ -123,6 +122,15 @@ class ConnectionPool:
         for connection in self._idle:
             connection.close()
         self._idle.clear()
+
+
+def _header_lines(headers: dict[str, str]) -> str:
+    """The headers as they go on the wire; a line break in one (an API key pasted with its newline) would end the
+    header early or smuggle another, so it is refused."""
+    lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+        raise ValueError(f"a header name or value holds a line break: {sorted(headers)}")
+    return lines
 
 
 class _ReadBacklog:
@@ -243,7 +251,7 @@ class _Connection(asyncio.Protocol):
         else:
             reason = f": {exc}" if exc else ""
             where = "in the middle of the response" if self._started else "before a response"
-            self._settle(TransportError(f"the server closed the connection {where}{reason}"))
+            self._settle(TransportError(f"the connection closed {where}{reason}"))
         # The parser and the transport each refer back to this protocol: cycles the collector would have to find.
         self._parser = self._transport = None
 

@@ -1,7 +1,8 @@
 """The load client's HTTP transport (loadgen.http_stream) against real servers on loopback ports: kept-alive
 connections are reused, and one the server closed while idle costs no request; a response delimited by the close of
-its connection, a path prefix and https work; a refused connection and a malformed answer are clean rejections; and
-a run with every fault outcome leaves no reference cycles for the collector the runner pauses.
+its connection, a path prefix and https work; a refused connection and a malformed answer are clean rejections; a
+header with a line break never reaches the wire; and a run with every fault outcome leaves no reference cycles for
+the collector the runner pauses.
 
 The aiohttp servers here run in the test's own event loop: these tests are about what arrives, not when."""
 
@@ -14,6 +15,7 @@ import socket
 import ssl
 from collections import Counter
 
+import pytest
 import trustme
 from aiohttp import web
 
@@ -198,7 +200,7 @@ def test_a_stream_cut_before_its_last_chunk_is_broken():
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     records = _through_raw_server(head + b"%x\r\n%b\r\n" % (len(SSE_BODY), SSE_BODY))  # no closing chunk
     assert {r.outcome for r in records} == {Outcome.BROKEN_STREAM}
-    assert "closed the connection in the middle of the response" in records[0].error
+    assert "the connection closed in the middle of the response" in records[0].error
 
 
 def test_a_malformed_answer_is_a_rejection_that_says_so():
@@ -262,3 +264,14 @@ def test_a_run_with_every_outcome_leaves_no_reference_cycles():
         log = server.script_log()
     assert Counter(r.outcome for r in records) == Counter(EXPECTED_OUTCOME[log[r.request_id]["fault"]] for r in records)
     assert {log[r.request_id]["fault"] for r in records} >= {"stall_broken", "client_timeout", "break", "status_429"}
+
+
+def test_a_header_with_a_line_break_is_refused_before_anything_is_sent():
+    async def scenario():
+        async with StreamingClient(
+            "http://127.0.0.1:9", "m", request_timeout_s=5, stall_timeout_s=5, api_key="k\r\nX-Admin: 1"
+        ):
+            pass
+
+    with pytest.raises(ValueError, match="line break"):
+        run_event_loop(scenario())
