@@ -17,9 +17,10 @@ So the run is tried up to five times (about 10 s each), and the timing tests use
 is within 5 ms; on a quiet machine the first run is, with 2 to 3 ms to spare. A client with a systematic error fails
 all five; every run must classify every request exactly.
 
-The 40 ms gap keeps 200 streams at about 5,000 tokens/s, half of what one client core keeps within 1 ms on the AMD
-EPYC (Zen 4) we develop on (``kvstorm bench client-capacity``): with a 20 ms gap, CI's older and slower EPYC
-measured a p99 of 5.4 ms in all five runs. With client and server pinned together to one CPU of the Zen 4 (three
+The 40 ms gap keeps 200 streams at about 5,000 tokens/s. It was chosen when that was half of what one client core
+kept within 1 ms on the AMD EPYC (Zen 4) we develop on (aiohttp's client; its own transport keeps 70,000 on a Xeon
+since 2026-12-06, ``kvstorm bench client-capacity``): with a 20 ms gap, CI's older and slower EPYC then measured a
+p99 of 5.4 ms in all five runs. With client and server pinned together to one CPU of the Zen 4 (three
 runs each), the p99 was 3.3 to 10.6 ms with the 20 ms gap and 1.1 to 2.2 ms with the 40 ms gap.
 """
 
