@@ -187,8 +187,10 @@ class _Connection(asyncio.Protocol):
         return self._keep_alive and not self._closed
 
     def start(self, request: bytes, sink: ResponseSink) -> asyncio.Future:
-        self._sink, self._headers, self._started, self._complete, self.answered = sink, {}, False, False, False
-        self._keep_alive = False
+        self.answered = False
+        if self._transport is None or self._transport.is_closing():  # closed since it was picked, not yet told
+            raise TransportError("the connection closed before the request")
+        self._sink, self._headers, self._started, self._complete, self._keep_alive = sink, {}, False, False, False
         self._parser = httptools.HttpResponseParser(self)
         self._exchange = asyncio.get_running_loop().create_future()
         self._transport.write(request)
@@ -246,7 +248,9 @@ class _Connection(asyncio.Protocol):
             self.abort(TransportError(f"malformed HTTP response: {error}"))
 
     def end(self, exc: Exception | None) -> None:
-        if self._close_delimited and exc is None and not self._complete:
+        if self._aborted:
+            pass  # its exchange has settled already
+        elif self._close_delimited and exc is None and not self._complete:
             self.on_message_complete()
         else:
             reason = f": {exc}" if exc else ""
