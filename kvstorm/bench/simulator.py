@@ -76,12 +76,13 @@ CASES = {
         fault=FaultWindow("kv_cap", 8.0, 33.0, {"kv_cap": {"fraction": 0.3}}),
     ),
     # Conversations of 4 turns sharing a system prompt, each turn sent a second after the answer before it: every
-    # turn finds the conversation so far in the prefix cache.
+    # turn finds the conversation so far in the prefix cache. 120 conversations: with 30, the p99 of their 100-odd
+    # turns was the largest one or two, and two real runs put it 17% apart.
     "multiturn": Case(
         "poisson:rate=0.5",
         "uniform:32-128",
         "uniform:32-128",
-        duration_s=60,
+        duration_s=240,
         workload="multiturn:turns=4,system_len=300,think_s=1",
     ),
     # Several times what the engine serves, under a TTFT objective: admission refuses what would miss it.
