@@ -8,13 +8,21 @@ omission).
 Retries (``retries``, 0 by default): a request refused with 429 or 503 is sent again, the same body, after the
 refusal's Retry-After (seconds; without one, 0.5 s doubling to at most 8 s, as OpenAI's Python SDK backs off), as
 long as the request timeout, counted from the first send, allows. Its record counts the sends, and its times run
-from the first: the wait is its user's.
+from the first: the wait is its user's. A Retry-After is used only as RFC 9110 writes it, a short run of ASCII digits
+or an HTTP date; anything else is ignored with a note in the record, and the back-off applies.
+
+Every byte a server sends is input: whatever a response holds, its request ends as one record (a stream that breaks
+a bound is cut, see :mod:`loadgen.tracker`; an error status's body is read up to :data:`MAX_ERROR_BODY_BYTES`), and a
+failure of the client itself on one request is that request's record, never the run's end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +41,13 @@ if TYPE_CHECKING:
 INITIAL_BACK_OFF_S, MAX_BACK_OFF_S = 0.5, 8.0
 # A Retry-After longer than this is not waited for as such (the SDK's bound too): the back-off applies.
 MAX_RETRY_AFTER_S = 60
+# delay-seconds longer than this many digits is no delay a client would wait for (and int() of thousands of digits
+# is refused by Python itself); an HTTP date (IMF-fixdate) is 29 characters.
+MAX_RETRY_AFTER_CHARS = 40
+# An error status's body is read this far at most, then its connection is cut (the record keeps its first bytes).
+MAX_ERROR_BODY_BYTES = 64 << 10
+
+logger = logging.getLogger(__name__)
 
 
 def retry_wait_s(retries: int, status: int, retry_after: str, attempts: int, time_left_s: float) -> float | None:
@@ -48,13 +63,44 @@ def retry_wait_s(retries: int, status: int, retry_after: str, attempts: int, tim
 
 def _retry_delay_s(retry_after: str, attempts: int) -> float:
     """How long a client waits before it sends a refused request again, after ``attempts`` sends: the refusal's
-    Retry-After (seconds) if it gives a usable one, else the back-off."""
-    if retry_after.isdigit() and int(retry_after) <= MAX_RETRY_AFTER_S:
-        return float(retry_after)
+    Retry-After if it gives a usable one, else the back-off."""
+    delay_s = parse_retry_after(retry_after)
+    if delay_s is not None and delay_s <= MAX_RETRY_AFTER_S:
+        return delay_s
     return min(INITIAL_BACK_OFF_S * 2 ** (attempts - 1), MAX_BACK_OFF_S)
 
 
-class StallTimeout(Exception):
+def parse_retry_after(value: str, now_unix: float | None = None) -> float | None:
+    """The seconds a Retry-After asks for (RFC 9110, 10.2.3): delay-seconds (ASCII digits only: ``str.isdigit``
+    also takes ``²``) or an HTTP date, counted from ``now_unix`` (default now) and never negative; None for anything
+    else, an empty value included."""
+    value = value.strip()
+    if not value or len(value) > MAX_RETRY_AFTER_CHARS or not value.isascii():
+        return None
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # "-0000": UTC, as HTTP dates are
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, when.timestamp() - (time.time() if now_unix is None else now_unix))
+
+
+def retry_after_note(value: str) -> str | None:
+    """What a record notes of a Retry-After the client could not use (None: absent or usable)."""
+    if not value or parse_retry_after(value) is not None:
+        return None
+    shown = value if len(value) <= MAX_RETRY_AFTER_CHARS else value[:MAX_RETRY_AFTER_CHARS] + "..."
+    return f"Retry-After {shown!r} is neither delay-seconds nor an HTTP date: ignored, the back-off applied"
+
+
+class StreamCut(Exception):
+    """The client cut a response: a stream that stalled or broke a bound, an error body past its cap."""
+
+
+class StallTimeout(StreamCut):
     """Raised into a stream's reader when no token arrived for longer than the stall timeout."""
 
 
@@ -125,9 +171,17 @@ class StreamingClient:
         return (await self.send_for_text(planned, request_id=request_id, run_start_ts=run_start_ts, keep_text=False))[0]
 
     async def send_for_text(
-        self, planned: PlannedRequest, *, request_id: str, run_start_ts: float, keep_text: bool = True
+        self,
+        planned: PlannedRequest,
+        *,
+        request_id: str,
+        run_start_ts: float,
+        keep_text: bool = True,
+        session: int | None = None,
+        turn: int | None = None,
     ) -> tuple[RequestRecord, str]:
-        """The record and (``keep_text``) the streamed text: what a conversation sends back in its next turn."""
+        """The record and (``keep_text``) the streamed text: what a conversation sends back in its next turn.
+        ``session`` and ``turn`` place a multi-turn workload's request in its conversation."""
         if self._pool is None:
             raise RuntimeError("use StreamingClient as an async context manager")
         body = request_body(planned, self.model, exact_output=self.exact_output, extra_body=self.extra_body)
@@ -143,8 +197,15 @@ class StreamingClient:
             stall_timeout_s=self.stall_timeout_s,
             collect_text=keep_text,
         )
-        record = await self._stream(planned.path, body, request_id, tracker)
+        try:
+            record = await self._stream(planned.path, body, request_id, tracker)
+        except Exception as error:  # a bug on this side: this request's record says so, and the run goes on
+            logger.exception("the client failed on request %s", request_id)
+            outcome = Outcome.BROKEN_STREAM if tracker.http_status == 200 else Outcome.REJECTED
+            message = f"the client failed on this request: {type(error).__name__}: {error}"
+            record = tracker.finish(time.perf_counter(), outcome, message)
         record.shared_prefix_tokens = planned.shared_prefix_tokens
+        record.session, record.turn = session, turn
         self.counters.finished(record)
         return record, tracker.text
 
@@ -159,8 +220,9 @@ class StreamingClient:
             except DeadlineExceeded:
                 message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
                 return tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
-            except StallTimeout as stall:
-                return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, str(stall))
+            except StreamCut as cut:
+                outcome = Outcome.BROKEN_STREAM if tracker.http_status == 200 else Outcome.REJECTED
+                return tracker.finish(time.perf_counter(), outcome, reception.cut_message(cut))
             except TransportError as error:
                 outcome = Outcome.BROKEN_STREAM if tracker.http_status == 200 else Outcome.REJECTED
                 return tracker.finish(time.perf_counter(), outcome, f"{type(error).__name__}: {error}")
@@ -169,6 +231,9 @@ class StreamingClient:
             if tracker.http_status == 200:
                 return tracker.finish(time.perf_counter())
             time_left_s = deadline_ts - time.perf_counter()
+            note = retry_after_note(reception.retry_after) if self.retries else None
+            if note is not None and note not in tracker.notes:
+                tracker.notes.append(note)
             delay_s = retry_wait_s(
                 self.retries, tracker.http_status, reception.retry_after, tracker.attempts, time_left_s
             )
@@ -189,26 +254,40 @@ class _Reception:
         self.tracker, self.counters, self.stall_timeout_s = tracker, counters, stall_timeout_s
         self.retry_after = ""
         self._error_body = bytearray()
+        self._num_error_body_bytes = 0
+        self._abort: Callable[[BaseException], None] | None = None
         self._watchdog: _StallWatchdog | None = None
 
     def response_started(self, status: int, headers: dict[str, str], abort: Callable[[BaseException], None]) -> None:
         self.tracker.http_status = status
         self.retry_after = headers.get("retry-after", "")
+        self._abort = abort
         if status == 200:
             self._watchdog = _StallWatchdog(abort, self.tracker, self.stall_timeout_s)
 
     def body(self, data: bytes, read_ts: float) -> None:
         if self._watchdog is None:
             if len(self._error_body) < 4 * self.ERROR_TEXT_CHARS:
-                self._error_body += data
+                self._error_body += data[: 4 * self.ERROR_TEXT_CHARS]
+            self._num_error_body_bytes += len(data)
+            if self._num_error_body_bytes > MAX_ERROR_BODY_BYTES:
+                self._abort(StreamCut(f"its body passed {MAX_ERROR_BODY_BYTES} bytes and was cut"))
             return
         num_tokens = self.tracker.feed(data, read_ts)
         if num_tokens:
             self.counters.num_tokens += num_tokens
             self._watchdog.arm()
+        if self.tracker.cut_reason is not None:
+            self._abort(StreamCut(self.tracker.cut_reason))
 
     def error_text(self) -> str:
         return self._error_body.decode("utf-8", errors="replace")[: self.ERROR_TEXT_CHARS]
+
+    def cut_message(self, cut: StreamCut) -> str:
+        """A cut response's error: an error status's with the start of its body."""
+        if self._watchdog is None and self.tracker.http_status is not None:
+            return f"HTTP {self.tracker.http_status}: {self.error_text()} ({cut})"
+        return str(cut)
 
     def stop_watchdog(self) -> None:
         if self._watchdog is not None:

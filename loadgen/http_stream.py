@@ -12,6 +12,11 @@ over (before it is parsed), and everything in one read shares that stamp.
 Scope, what OpenAI-compatible servers need: POST with a body, http and https, keep-alive connections reused per pool,
 chunked, Content-Length and close-delimited bodies. No proxies, no redirects, no compression (no Accept-Encoding is
 sent, so servers answer uncompressed).
+
+Every byte a server sends is input, so a response is bounded as servers bound requests: at most
+:data:`MAX_HEADER_LINES` header lines, and at most :data:`MAX_BYTES_WITHOUT_BODY` bytes in a row that carry no body
+data (the status line and headers, or after them chunk framing and trailers). Past either the exchange fails with a
+:class:`TransportError` that names the bound. The body itself is the sink's to bound.
 """
 
 from __future__ import annotations
@@ -24,6 +29,16 @@ from collections.abc import Callable
 from typing import Protocol
 
 import httptools
+
+# A response's head, and any run of bytes that brings no body data, at most (nginx and Node.js cap a request's head
+# at 8-16 KiB, Go's net/http at 1 MiB; no OpenAI-compatible server sends more than a few hundred bytes).
+MAX_BYTES_WITHOUT_BODY = 64 << 10
+# Header lines (trailers included) one response may have: http.client's and urllib3's limit.
+MAX_HEADER_LINES = 100
+
+
+class _ResponseTooLarge(Exception):
+    """Raised from a parser callback when a response passes a bound; the exchange fails with its message."""
 
 
 class TransportError(Exception):
@@ -174,6 +189,10 @@ class _Connection(asyncio.Protocol):
         self._sink: ResponseSink | None = None
         self._exchange: asyncio.Future | None = None
         self._headers: dict[str, str] = {}
+        self._num_header_lines = 0
+        # Bytes read in a row with no body data among them, and whether the current read brought some.
+        self._num_bytes_without_body = 0
+        self._read_had_body = False
         self._started = False
         self._read_ts = 0.0
         self._closed = self._aborted = False
@@ -191,6 +210,7 @@ class _Connection(asyncio.Protocol):
         if self._transport is None or self._transport.is_closing():  # closed since it was picked, not yet told
             raise TransportError("the connection closed before the request")
         self._sink, self._headers, self._started, self._complete, self._keep_alive = sink, {}, False, False, False
+        self._num_header_lines = self._num_bytes_without_body = 0
         self._parser = httptools.HttpResponseParser(self)
         self._exchange = asyncio.get_running_loop().create_future()
         self._transport.write(request)
@@ -242,10 +262,22 @@ class _Connection(asyncio.Protocol):
             self.abort(TransportError("the server sent bytes outside a response"))
             return
         self._read_ts = read_ts
+        self._read_had_body = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as error:
-            self.abort(TransportError(f"malformed HTTP response: {error}"))
+            cause = error.__context__
+            if isinstance(cause, _ResponseTooLarge):
+                self.abort(TransportError(str(cause)))
+            elif cause is not None:  # a callback of this side failed: a bug here, not the server's malformed answer
+                raise cause from None
+            else:
+                self.abort(TransportError(f"malformed HTTP response: {error}"))
+            return
+        self._num_bytes_without_body = 0 if self._read_had_body else self._num_bytes_without_body + len(data)
+        if self._num_bytes_without_body > MAX_BYTES_WITHOUT_BODY and not self._complete:
+            what = "trailers or chunk framing" if self._started else "the status line and headers"
+            self.abort(TransportError(f"{what}: more than {MAX_BYTES_WITHOUT_BODY} bytes with no body data"))
 
     def end(self, exc: Exception | None) -> None:
         if self._aborted:
@@ -262,7 +294,11 @@ class _Connection(asyncio.Protocol):
     # httptools' callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._num_header_lines += 1
+        if self._num_header_lines > MAX_HEADER_LINES:
+            raise _ResponseTooLarge(f"more than {MAX_HEADER_LINES} header lines")
+        if not self._started:  # a trailer is not read
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self._started = True
@@ -271,7 +307,9 @@ class _Connection(asyncio.Protocol):
         self._sink.response_started(self._parser.get_status_code(), self._headers, self.abort)
 
     def on_body(self, body: bytes) -> None:
-        self._sink.body(body, self._read_ts)
+        self._read_had_body = True
+        if not self._aborted:  # the sink may have cut the exchange earlier in this read
+            self._sink.body(body, self._read_ts)
 
     def on_message_complete(self) -> None:
         self._complete = True

@@ -14,7 +14,8 @@ class Outcome(str, Enum):
     - ``rejected``: no stream started: a non-200 status (4xx, 429, 503, ...) or no connection.
     - ``broken_stream``: the stream started, then ended without a finish reason or ``[DONE]``, stalled longer than
       the stall timeout, or failed an integrity check (bad framing, data after the end, usage.completion_tokens
-      different from the tokens delivered, an error event).
+      different from the tokens delivered, an error event, a field of the wrong type: a ``protocol error``), or broke a
+      bound the client keeps (more tokens than requested, an SSE line past its cap) and was cut.
     - ``client_timeout``: the whole request took longer than the client's request timeout.
     """
 
@@ -38,6 +39,8 @@ class RequestRecord(BaseModel):
     sent_s: float
     outcome: Outcome
     error: str = ""
+    # What the client noticed that did not make the request fail (a Retry-After it could not use).
+    notes: list[str] = []
     http_status: int | None = None
     # Sends of the request: more than one when the client retried a refusal (429 or 503) after its Retry-After. Its
     # times (TTFT, E2E) run from the first send: the wait is its user's.

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import email.utils
 import json
 
 import pytest
 
+from loadgen.client import parse_retry_after, retry_after_note, retry_wait_s
 from loadgen.records import Outcome
-from loadgen.sse import SseEvent, SseParser
-from loadgen.tracker import StreamTracker
+from loadgen.sse import MAX_EVENT_BYTES, SseEvent, SseLimitExceeded, SseParser
+from loadgen.tracker import MAX_PROBLEMS, TOKEN_SLACK, StreamTracker
 
 STREAM = (
     b": keep-alive\n\n"
@@ -178,3 +180,114 @@ def test_transport_outcomes_win_and_keep_what_arrived():
     assert (record.outcome, record.error, record.sent_s, record.e2e_s) == (Outcome.CLIENT_TIMEOUT, "too slow", 1.0, 2.0)
     assert record.ttft_s == pytest.approx(0.2)
     assert record.tpot_s is None
+
+
+# ---- every byte a server sends is input -------------------------------------------------------------------------
+
+
+def test_a_line_or_an_event_past_the_cap_is_refused_however_it_is_split():
+    parser = SseParser()
+    piece = b"x" * (MAX_EVENT_BYTES // 8)
+    assert parser.feed(b"data: ") == []
+    for _ in range(7):
+        assert parser.feed(piece) == []
+    with pytest.raises(SseLimitExceeded, match="without ending"):
+        parser.feed(piece * 2)
+    with pytest.raises(SseLimitExceeded, match="more than"):
+        SseParser().feed(b"data: " + b"x" * MAX_EVENT_BYTES + b"\n\n")
+    many_lines = b"".join(b"data: " + b"y" * 1000 + b"\n" for _ in range(MAX_EVENT_BYTES // 1000 + 1))
+    with pytest.raises(SseLimitExceeded, match="event's data"):
+        SseParser().feed(many_lines)
+
+
+def test_a_line_kept_in_pieces_is_the_same_line():
+    parser = SseParser()
+    event = b'data: {"choices": []}\n\n'
+    assert [e for i in range(len(event)) for e in parser.feed(event[i : i + 1])] == [SseEvent('{"choices": []}')]
+    assert not parser.has_partial_event
+
+
+def payload_event(payload: object) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+@pytest.mark.parametrize(
+    ("payload", "problem"),
+    [
+        ({"choices": [{"text": "a", "finish_reason": 1}]}, "finish_reason is not a short string: 1"),
+        ({"choices": [{"text": "a", "finish_reason": "x" * 65}]}, "finish_reason is not a short string"),
+        ({"choices": [], "usage": [1]}, "usage is not an object: [1]"),
+        ({"choices": [], "usage": {"completion_tokens": "2"}}, "usage.completion_tokens is not a token count: '2'"),
+        ({"choices": [], "usage": {"prompt_tokens": -1}}, "usage.prompt_tokens is not a token count: -1"),
+        ({"choices": [], "usage": {"completion_tokens": True}}, "usage.completion_tokens is not a token count"),
+        ({"choices": [], "usage": {"prompt_tokens_details": 3}}, "usage.prompt_tokens_details is not an object"),
+        (
+            {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 1.5}}},
+            "usage.prompt_tokens_details.cached_tokens is not a token",
+        ),
+        ({"choices": "abc"}, "choices is not a list"),
+        ({"choices": [7]}, "a choice is not an object: 7"),
+        ({"choices": [{"delta": ["x"]}]}, "a choice's delta is not an object"),
+        ({"choices": [{"text": {"t": 1}}]}, "a choice's text is not a string"),
+        ({"choices": [{"delta": {"content": 5}}]}, "a choice's text is not a string: 5"),
+        ([1, 2], "event data is not a JSON object"),
+        ("just a string", "event data is not a JSON object"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_protocol_error_of_that_stream(payload, problem):
+    """Whatever one event holds, the stream ends as one record, broken, with the reason (never an exception)."""
+    record = run([(10.1, completion("a")), (10.2, payload_event(payload)), (10.3, completion("b", "stop") + DONE)])
+    assert record.outcome is Outcome.BROKEN_STREAM
+    assert f"protocol error: {problem}" in record.error
+    assert record.delivered_tokens == 2
+    assert record.model_dump_json()  # the record writes
+
+
+def test_a_token_flood_is_cut_at_the_requested_tokens_plus_slack():
+    tracker = StreamTracker(
+        index=0, request_id="r", scheduled_s=0.0, sent_ts=10.0, run_start_ts=10.0, requested_output_tokens=4
+    )
+    tracker.http_status = 200
+    flood = completion("a") * 1000
+    tracker.feed(flood, 10.1)
+    assert "more than 20 token chunks for max_tokens=4" in (tracker.cut_reason or "")
+    assert len(tracker.token_ts) == 4 + TOKEN_SLACK + 1
+    assert tracker.feed(flood, 10.2) == 0  # nothing more is taken in
+    record = tracker.finish(10.3, Outcome.BROKEN_STREAM, tracker.cut_reason)
+    assert (record.outcome, record.delivered_tokens) == (Outcome.BROKEN_STREAM, 4 + TOKEN_SLACK + 1)
+
+
+def test_the_problems_a_record_names_are_bounded():
+    events = b"".join(payload_event({"choices": [{"text": i}]}) for i in range(100))
+    record = run([(10.1, events + completion("a", "stop") + DONE)])
+    assert record.outcome is Outcome.BROKEN_STREAM
+    assert record.error.count("protocol error") == MAX_PROBLEMS
+    assert f"{100 - MAX_PROBLEMS} more problems" in record.error
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("7", 7.0),
+        (" 3 ", 3.0),
+        ("0", 0.0),
+        ("²", None),  # str.isdigit takes it; int() does not
+        ("٣", None),  # an Arabic-Indic three: a digit to Python, not to HTTP
+        ("9" * 5000, None),  # int() of 5,000 digits is refused by Python itself
+        ("-1", None),
+        ("1.5", None),
+        ("soon", None),
+        ("", None),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # in the past: now
+    ],
+)
+def test_retry_after_is_delay_seconds_or_an_http_date_else_nothing(value, seconds):
+    assert parse_retry_after(value) == seconds
+    assert (retry_after_note(value) is None) == (seconds is not None or value == "")
+
+
+def test_retry_after_as_an_http_date_counts_from_now():
+    when = email.utils.formatdate(1_000_030.0, usegmt=True)
+    assert parse_retry_after(when, now_unix=1_000_000.0) == pytest.approx(30.0)
+    assert retry_wait_s(2, 429, when, attempts=1, time_left_s=100) is not None
+    assert retry_wait_s(2, 429, "²", attempts=1, time_left_s=100) == 0.5  # ignored: the back-off's first wait
