@@ -28,7 +28,8 @@ Streams are checked by the same tracker as ``kvstorm bench serve`` (SSE framing,
 against tokens delivered). The read blocks, so a stall cannot be cut while it happens: a gap longer than
 ``--stall-timeout`` is reported when the stream ends, and a server that never answers hits ``--request-timeout``.
 gevent lives only in this file's process: nothing else in ``loadgen`` imports locust. The web UI binds 127.0.0.1 by
-default and asks for a login wherever it may be reached from another machine (``loadgen/web_login.py``).
+default and asks for a login wherever it may be reached from another machine (``loadgen/web_login.py``); its
+``/swarm`` changes the load's size and target, never a path (``loadgen/web_swarm.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
 from urllib3.exceptions import ReadTimeoutError
 
-from loadgen import web_login
+from loadgen import web_login, web_swarm
 from loadgen.arrivals import Arrival
 from loadgen.client import retry_wait_s
 from loadgen.merged_run import merged_result
@@ -119,12 +120,16 @@ def add_arguments(parser) -> None:
         default="bench-results",
         help="OpenLoopUser: where the master writes kvstorm's results file and report, merged from every worker",
     )
-    web_login.add_arguments(parser)  # the web UI's login on where compose publishes it beyond loopback
+    web_login.add_arguments(parser)  # the web UI on loopback unless the operator says otherwise
 
 
 @events.init.add_listener
-def install_web_login(environment, web_ui=None, **_kwargs) -> None:
-    web_login.install(web_ui)
+def guard_web_ui(environment, web_ui=None, **_kwargs) -> None:
+    """The login wherever the UI binds beyond loopback (Locust's final options, whatever set them), and /swarm
+    limited to the UI's own form."""
+    if web_ui is not None:
+        web_login.install(web_ui)
+        web_swarm.install(web_ui)
 
 
 @events.init.add_listener

@@ -7,8 +7,9 @@ constant time, never logged). There is no committed password: with the login on 
 to start.
 
 The web UI binds 127.0.0.1 unless ``--web-host`` says otherwise (Locust's own default is every interface). The login
-is on by default wherever the UI may be reached from another machine: ``--web-host`` beyond loopback, unless the
-deployment says its ports are published on loopback only (compose passes ``$KVSTORM_PUBLISHED_ON``,
+is on by default wherever the UI may be reached from another machine: the web host Locust finally parsed (from the
+command line, ``$LOCUST_WEB_HOST`` or a config file such as ``locust.conf``: whatever set it) beyond loopback, unless
+the deployment says its ports are published on loopback only (compose passes ``$KVSTORM_PUBLISHED_ON``,
 ``${KVSTORM_BIND_ADDRESS:-127.0.0.1}``, into the containers: the same rule kvstorm/exposure.py applies to the engine
 and the controller). ``--web-login`` (``$LOCUST_WEB_LOGIN``) turns it on anywhere else. flask is imported only when
 the login is installed; nothing here imports locust.
@@ -21,7 +22,7 @@ import ipaddress
 import os
 import secrets
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 PUBLISHED_ON_ENV = "KVSTORM_PUBLISHED_ON"
 LOOPBACK = "127.0.0.1"
@@ -45,11 +46,9 @@ def is_published_beyond_loopback(environ: Mapping[str, str] = os.environ) -> boo
     return bool(published_on) and not is_loopback(published_on)
 
 
-def add_arguments(parser, environ: Mapping[str, str] = os.environ, argv: Sequence[str] | None = None) -> None:
-    """The web UI on loopback by default, and Locust's ``--web-login`` on by default where it may be reached."""
+def add_arguments(parser) -> None:
+    """The web UI on loopback by default (a config file, ``$LOCUST_WEB_HOST`` or ``--web-host`` may say otherwise)."""
     parser.set_defaults(web_host=LOOPBACK)
-    if is_web_ui_exposed(_given_web_host(sys.argv[1:] if argv is None else argv, environ), environ):
-        parser.set_defaults(web_login=True)
 
 
 def is_web_ui_exposed(web_host: str, environ: Mapping[str, str] = os.environ) -> bool:
@@ -60,29 +59,21 @@ def is_web_ui_exposed(web_host: str, environ: Mapping[str, str] = os.environ) ->
     return not is_loopback(web_host) and not (published_on and is_loopback(published_on))
 
 
-def _given_web_host(argv: Sequence[str], environ: Mapping[str, str]) -> str:
-    """The web host the command line (or $LOCUST_WEB_HOST) names, else this module's loopback default. Read before
-    Locust parses its options, because the login's default must be set before then."""
-    for index, arg in enumerate(argv):
-        if arg == "--web-host" and index + 1 < len(argv):
-            return argv[index + 1] or "0.0.0.0"
-        if arg.startswith("--web-host="):
-            return arg.split("=", 1)[1] or "0.0.0.0"
-    given = environ.get("LOCUST_WEB_HOST")
-    return LOOPBACK if given is None else given or "0.0.0.0"  # Locust reads "" as every interface
-
-
 def install(web_ui, environ: Mapping[str, str] = os.environ) -> None:
-    """The login form's handler and user loader on a web UI started with ``--web-login``; nothing otherwise.
+    """The login on a web UI started with ``--web-login`` or bound where it may be reached (``web_ui.host``: the
+    address Locust binds, decided on its final options), its form's handler and user loader; nothing otherwise.
 
     Exits (``SystemExit`` with the reason) when the login is on and ``$KVSTORM_LOCUST_PASSWORD`` is empty."""
-    if web_ui is None or not web_ui.web_login:
+    if not web_ui.web_login and is_web_ui_exposed(web_ui.host, environ):
+        _switch_login_on(web_ui)
+    if not web_ui.web_login:
         return
     password = environ.get(PASSWORD_ENV, "")
     if not password:
         sys.exit(
-            f"locust: refusing to start: the web UI's login is on (--web-login, or ${PUBLISHED_ON_ENV} beyond "
-            f"loopback) and ${PASSWORD_ENV} is empty. Set one, e.g.\n"
+            f"locust: refusing to start: the web UI's login is on (--web-login, a web host beyond loopback: "
+            f"{web_ui.host or 'every interface'}, or ${PUBLISHED_ON_ENV} beyond loopback) and ${PASSWORD_ENV} is "
+            "empty. Set one, e.g.\n"
             f'    sed -i "s/^{PASSWORD_ENV}=.*/{PASSWORD_ENV}=$(openssl rand -hex 16)/" kvstorm.env\n'
             f"and log in as {USERNAME!r} with it."
         )
@@ -111,3 +102,16 @@ def install(web_ui, environ: Mapping[str, str] = os.environ) -> None:
         return redirect(url_for("locust.login"))
 
     web_ui.app.register_blueprint(blueprint)
+
+
+def _switch_login_on(web_ui) -> None:
+    """What Locust's web UI does for ``--web-login`` as it is built, done once the final options call for it: Locust
+    builds the UI before the locustfile hears of them (the init event), and asks ``web_ui.web_login`` at every
+    request."""
+    from flask_login import LoginManager
+
+    manager = LoginManager()
+    manager.init_app(web_ui.app)
+    manager.login_view = "locust.login"
+    web_ui.login_manager = manager
+    web_ui.web_login = True

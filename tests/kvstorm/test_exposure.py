@@ -160,18 +160,18 @@ def test_kvstorm_chaos_serve_starts_on_loopback_or_with_a_token_of_ones_own(monk
 
 
 @pytest.mark.parametrize(
-    ("argv", "environ", "exposed"),
+    ("web_host", "environ", "exposed"),
     [
-        ([], {}, False),  # the locustfile's default: 127.0.0.1
-        (["--web-host", "0.0.0.0"], {}, True),
-        (["--web-host="], {}, True),  # Locust reads "" as every interface
-        ([], {"LOCUST_WEB_HOST": "192.168.1.5"}, True),
-        (["--web-host", "0.0.0.0"], {PUBLISHED_ON_ENV: "127.0.0.1"}, False),  # compose, published on loopback
-        (["--web-host", "0.0.0.0"], {PUBLISHED_ON_ENV: "0.0.0.0"}, True),
+        ("127.0.0.1", {}, False),  # the locustfile's default
+        ("0.0.0.0", {}, True),
+        ("", {}, True),  # Locust binds every interface
+        ("192.168.1.5", {}, True),
+        ("0.0.0.0", {PUBLISHED_ON_ENV: "127.0.0.1"}, False),  # compose, published on loopback
+        ("0.0.0.0", {PUBLISHED_ON_ENV: "0.0.0.0"}, True),
     ],
 )
-def test_locusts_web_ui_asks_for_a_login_wherever_it_may_be_reached(argv, environ, exposed):
-    assert web_login.is_web_ui_exposed(web_login._given_web_host(argv, environ), environ) is exposed
+def test_locusts_web_ui_asks_for_a_login_wherever_it_may_be_reached(web_host, environ, exposed):
+    assert web_login.is_web_ui_exposed(web_host, environ) is exposed
 
 
 def test_locust_bound_beyond_loopback_without_a_password_refuses_to_start(tmp_path):

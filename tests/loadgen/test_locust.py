@@ -14,22 +14,26 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pytest
+import requests
+
 from chaos.injectors.processes import free_port
 from loadgen.plan import plan_run
 from loadgen.records import Outcome
 from loadgen.results import RunResult
 from loadgen.scripted_server import EXPECTED_OUTCOME
+from loadgen.web_login import PASSWORD_ENV, PUBLISHED_ON_ENV
 from tests.loadgen.conftest import REPO_ROOT, child_env, scripted_server
 
 LOCUSTFILE = str(REPO_ROOT / "loadgen" / "locustfile.py")
 OPTIONS = ["--headless", "--model", "m", "--output-len", "fixed:10", "--stall-timeout", "1s", "--request-timeout", "3s"]
 
 
-def locust(*args: str, cwd: Path) -> subprocess.Popen:
+def locust(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "locust", "-f", LOCUSTFILE, *args],
         cwd=cwd,
-        env=child_env(),
+        env=child_env() if env is None else env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -290,3 +294,108 @@ def test_a_retry_count_out_of_bounds_is_refused_before_anything_starts(tmp_path)
     output, _ = process.communicate(timeout=60)
     assert process.returncode != 0
     assert "--retries must be in 0-10, got 99" in output
+
+
+# What decides where the web UI binds and whether it asks for a login, none of it taken from the test's own
+# environment.
+WEB_UI_VARIABLES = (PASSWORD_ENV, PUBLISHED_ON_ENV, "LOCUST_WEB_HOST", "LOCUST_WEB_PORT", "LOCUST_WEB_LOGIN")
+
+
+def web_ui_env(**variables: str) -> dict[str, str]:
+    return {k: v for k, v in child_env().items() if k not in WEB_UI_VARIABLES} | variables
+
+
+@contextlib.contextmanager
+def running(process: subprocess.Popen):
+    """``process`` stopped on the way out, whatever happened inside."""
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            process.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("config_file", "variables", "args"),
+    [
+        ("web-host = 0.0.0.0", {}, []),
+        ("", {"LOCUST_WEB_HOST": "0.0.0.0"}, []),
+        ("", {}, ["--web-host", "0.0.0.0"]),
+        ("web-host = 127.0.0.1", {}, ["--web-host", "*"]),  # the command line over the config file
+    ],
+    ids=["locust.conf", "environment", "command-line", "command-line-over-locust.conf"],
+)
+def test_a_web_ui_beyond_loopback_wants_a_password_whatever_set_its_host(tmp_path, config_file, variables, args):
+    """The login is decided on the web host Locust finally parsed, whatever set it: without a password Locust refuses
+    to start (before its web UI binds)."""
+    (tmp_path / "locust.conf").write_text(f"{config_file}\nweb-port = {free_port()}\n")
+    process = locust("--host", "http://127.0.0.1:9", "--model", "m", *args, cwd=tmp_path, env=web_ui_env(**variables))
+    with running(process):
+        output, _ = process.communicate(timeout=60)
+    assert process.returncode != 0, output
+    assert f"a web host beyond loopback: {'every interface' if '*' in args else '0.0.0.0'}" in output
+    assert f"${PASSWORD_ENV} is empty" in output
+
+
+def test_a_locust_conf_beyond_loopback_puts_the_web_ui_behind_the_login(tmp_path):
+    """``web-host = 0.0.0.0`` in locust.conf, reached here on 127.0.0.1: every page but the login answers with a
+    redirect to it until the password is given; the command line's ``--web-host 127.0.0.1`` over the same file binds
+    loopback only, and no login is asked for."""
+    web_port, password = free_port(), "3f9c2d7e8a1b4c6d9e0f1a2b3c4d5e6f"
+    (tmp_path / "locust.conf").write_text(f"web-host = 0.0.0.0\nweb-port = {web_port}\n")
+    ui = f"http://127.0.0.1:{web_port}"
+    common = ("--host", "http://127.0.0.1:9", "--model", "m")
+    with running(locust(*common, cwd=tmp_path, env=web_ui_env(**{PASSWORD_ENV: password}))):
+        _wait_for(lambda: requests.get(f"{ui}/login", timeout=1).ok)
+        assert requests.get(ui, allow_redirects=False, timeout=5).headers["Location"].endswith("/login?next=%2F")
+        swarm = requests.post(f"{ui}/swarm", data={"user_count": 1, "spawn_rate": 1}, allow_redirects=False, timeout=5)
+        assert swarm.status_code == 302
+        session = requests.Session()
+        session.post(f"{ui}/kvstorm-login", data={"username": "kvstorm", "password": password}, timeout=5)
+        assert session.get(f"{ui}/stats/requests", timeout=5).json()["state"] == "ready"
+    with running(locust(*common, "--web-host", "127.0.0.1", cwd=tmp_path, env=web_ui_env())):
+        _wait_for(lambda: requests.get(ui, allow_redirects=False, timeout=1).status_code == 200)
+
+
+def test_swarm_refuses_every_field_but_the_forms_and_applies_none_of_it(tmp_path):
+    """An open-loop run whose results go to the operator's folder: /swarm forms that would point the results, the
+    workload or the schedule at files (or change an option of Locust's own) are 400s that start nothing; the run the
+    form then starts sends the operator's plan and writes only where the operator said."""
+    web_port, results, elsewhere = free_port(), tmp_path / "results", tmp_path / "elsewhere"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "kvstorm-marker of a file nobody may read"}) + "\n")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 8, "output_length": 4}) + "\n")
+    refused_fields = {
+        "results_dir": str(elsewhere),
+        "workload": f"jsonl:path={prompts}",
+        "arrival": f"trace:path={trace}",
+        "html_file": str(elsewhere / "report.html"),
+    }
+    ui = f"http://127.0.0.1:{web_port}"
+    with scripted_server() as server:
+        process = locust(
+            "--model", "m", "--output-len", "fixed:10", "--host", server.base_url, "--arrival", "poisson:rate=20",
+            "--num-requests", "4", "--workload", "random", "--input-len", "fixed:8", "--results-dir", str(results),
+            "--web-host", "127.0.0.1", "--web-port", str(web_port), cwd=tmp_path, env=web_ui_env(),
+        )  # fmt: skip
+        with running(process):
+            _wait_for(lambda: requests.get(ui, timeout=1).ok)
+            form = {"user_count": 1, "spawn_rate": 1, "host": server.base_url}
+            for name, value in refused_fields.items():
+                answer = requests.post(f"{ui}/swarm", data={**form, name: value}, timeout=5)
+                assert answer.status_code == 400, (name, answer.text)
+                assert answer.json()["success"] is False
+                assert f"/swarm may not set {name!r}" in answer.json()["message"]
+                assert requests.get(f"{ui}/stats/requests", timeout=5).json()["state"] == "ready", name
+            assert requests.post(f"{ui}/swarm", data=form, timeout=5).json()["success"]
+            _wait_for(lambda: any(results.glob("locust-*.json")), timeout_s=60)
+            log = server.script_log()
+    run = RunResult.read(next(results.glob("locust-*.json")))
+    assert [r.outcome for r in run.records] == [Outcome.OK] * 4
+    assert run.config.workload == "random"
+    assert run.config.arrival == "poisson:rate=20"
+    assert {entry["prompt_tokens"] for entry in log.values()} == {8}
+    assert "kvstorm-marker" not in json.dumps(log)
+    assert not elsewhere.exists()
