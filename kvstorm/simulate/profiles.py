@@ -171,6 +171,12 @@ def simulated_engine(profile: FittedProfile | RooflineProfile, **overrides: obje
         if isinstance(profile, FittedProfile):
             raise ValueError("a fitted profile must give engine.num_kv_blocks")
         num_kv_blocks = cost.num_kv_blocks(profile.memory_utilization, profile.activation_reserve_bytes)
+        if not 1 <= num_kv_blocks <= MAX_BLOCKS:
+            raise ValueError(
+                f"profile {profile.name!r}: {profile.gpu.memory_bytes:g} bytes of GPU memory hold {num_kv_blocks:,} KV "
+                f"blocks of {bytes_per_block:,} bytes; a simulated pool holds 1 to {MAX_BLOCKS:,} (MAX_BLOCKS: about "
+                "a gigabyte of the simulator's own memory): give engine.num_kv_blocks or a smaller gpu.memory_bytes"
+            )
     return SimulatedEngine(
         num_device_blocks=num_kv_blocks,
         num_host_blocks=shape.num_swap_blocks,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import resources
 
 import pytest
 
@@ -141,6 +142,25 @@ def test_what_it_cannot_do_is_refused_with_a_clear_error(tmp_path, args, message
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_profile_whose_memory_derives_too_many_blocks_is_refused_before_any_is_made(tmp_path):
+    # 1e18 bytes of GPU memory: 429 billion blocks of Llama-3-8B, which the simulator once tried to allocate.
+    profile = json.loads((resources.files("kvstorm.simulate") / "profiles/h200-llama-3-8b.json").read_text())
+    profile["gpu"]["memory_bytes"] = 1e18
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(profile))
+    result = run_kvstorm("simulate", "run", "--profile", str(path), "--num-requests", "5",
+                         "--results-dir", str(tmp_path / "results"))  # fmt: skip
+    assert result.returncode == 2
+    assert "429,153,433,771 KV blocks" in result.stderr
+    assert "1 to 10,000,000 (MAX_BLOCKS" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "results").exists()
+    # The pool given outright takes the place of the derived one.
+    given = run_kvstorm("simulate", "run", "--profile", str(path), "--num-requests", "5", "--num-kv-blocks", "3000",
+                        "--results-dir", str(tmp_path / "results"))  # fmt: skip
+    assert given.returncode == 0, given.stderr
 
 
 def test_a_multi_turn_run_sends_each_turn_after_its_answer_with_the_conversation_cached(tmp_path, real_source):
