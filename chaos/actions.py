@@ -31,6 +31,7 @@ from chaos.run.sizing import TargetSize, requests_for_kv
 from chaos.run.sizing import measure_target as measure
 from chaos.run.state import current
 from loadgen.arrivals import scale_rates
+from loadgen.plan import plan_size
 
 # The most a load written in multiples of the measured capacity may ask for: a burst past what the server sustains,
 # not a flood of the harness's own host.
@@ -105,6 +106,8 @@ def run_load(
         stall_timeout_s=stall_timeout_s,
         seed=seed,
     )
+    # The controller sized the load as written; its rates or count from the server are known only now.
+    plan_size(config).check()
     window = f"traffic:{name}"
     if as_fault:
         current().fault_on(window)

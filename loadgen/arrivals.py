@@ -61,6 +61,45 @@ def make_arrivals(text: str, *, num_requests: int | None, duration_s: float | No
     return arrivals[:num_requests] if num_requests is not None else arrivals
 
 
+def expected_num_arrivals(text: str, *, num_requests: int | None, duration_s: float | None) -> float:
+    """How many requests ``make_arrivals`` schedules, on average, worked out from the rates without drawing one (a
+    run's size is known before its plan is built: ``loadgen.plan.estimate_plan_size``); a trace's are counted."""
+    spec = parse_spec(text, ARRIVAL_KINDS)
+    if spec.kind == "trace":
+        return float(len(make_arrivals(text, num_requests=num_requests, duration_s=duration_s)))
+    if spec.kind in ("constant", "poisson", "gamma"):
+        spec.check_keys({"rate", "burstiness"} if spec.kind == "gamma" else {"rate"})
+        rate = spec.get_float("rate", minimum=1e-9)
+        pieces_and_repeat = [(rate, math.inf)], False
+    else:
+        pieces_and_repeat = _onoff_segments(spec) if spec.kind == "onoff" else _step_segments(spec)
+    _check_bounded(spec, num_requests, duration_s)
+    if duration_s is None:
+        return float(num_requests)
+    expected = _integrated_rate(*pieces_and_repeat, duration_s)
+    if spec.kind == "constant":
+        expected = math.ceil(expected)  # one at 0, then one every 1/rate
+    elif spec.kind in ("poisson", "gamma"):
+        expected += 1  # the first leaves at 0, the gaps follow it
+    return expected if num_requests is None else min(expected, float(num_requests))
+
+
+def _integrated_rate(pieces: list[tuple[float, float]], repeats: bool, duration_s: float) -> float:
+    """The requests a piecewise-constant rate sends in ``duration_s``: whole periods at once, then the pieces of the
+    last one (a loop per period would spin for a tiny period over an hour)."""
+    total, start = 0.0, 0.0
+    if repeats:
+        period_s = sum(length_s for _, length_s in pieces)
+        num_periods = math.floor(duration_s / period_s)
+        total, start = num_periods * sum(rate * length_s for rate, length_s in pieces), num_periods * period_s
+    for rate, length_s in pieces:
+        if start >= duration_s:
+            break
+        total += rate * min(length_s, duration_s - start)
+        start += length_s
+    return total
+
+
 # The keys of each kind that are rates (requests/s), which ``scale_rates`` multiplies.
 _RATE_KEYS = {"constant": ("rate",), "poisson": ("rate",), "gamma": ("rate",), "onoff": ("base", "burst")}
 

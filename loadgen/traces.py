@@ -15,8 +15,9 @@ Formats (``format=auto`` tells them apart by their columns):
 
 The window (``start_s``, ``duration_s``: seconds of the trace's own time) is cut first, then its time divided by
 ``speedup``; lengths (and Mooncake's blocks) are multiplied by ``length_scale`` and rounded (at least 1), then a
-request longer than ``max_len`` tokens (prompt + output) has its prompt, then its output, clipped to fit. Every one
-of these is said in the run's results (``TraceReplay.description``), never applied silently.
+request longer than ``max_len`` tokens (prompt + output) has its prompt, then its output, clipped to fit. A
+``length_scale`` other than 1 needs a ``max_len``. Every one of these is said in the run's results
+(``TraceReplay.description``), never applied silently.
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def _replay(spec_text: str, modified_ns: int) -> TraceReplay:
     duration_s = spec.get_float("duration_s", float("inf"), minimum=1e-9)
     scale = spec.get_float("length_scale", 1.0, minimum=1e-6)
     max_len = spec.get_int("max_len", 0, minimum=0) or None
+    if scale != 1 and max_len is None:
+        # A scale makes lengths the trace never had (x100 of a 30,000-token prompt): the run says what it allows.
+        raise ValueError(f"{spec_text!r}: length_scale={scale:g} needs max_len=N (the longest prompt + output to send)")
     first = rows[0].timestamp_s
     window = [row for row in rows if start_s <= row.timestamp_s - first < start_s + duration_s]
     if not window:

@@ -20,13 +20,15 @@ Specs (``--workload``)::
                                    the answers as they streamed, and a new user message of ``--input-len`` tokens;
                                    the next turn leaves ``think_s`` after the answer ends
 
-Lengths (``--input-len``, ``--output-len``): ``fixed:128``, ``uniform:64-512``, ``normal:mean=256,std=64``,
-``lognormal:median=256,sigma=0.5``. Samples are rounded and clipped to at least 1.
+Lengths (``--input-len``, ``--output-len``): ``fixed:128``, ``uniform:64-512``, ``normal:mean=256,std=64[,max=N]``,
+``lognormal:median=256,sigma=0.5[,max=N]``. ``fixed`` and ``uniform`` give the lengths written; ``normal`` and
+``lognormal`` samples are rounded and clipped to [1, max], max 32,768 tokens unless given (``MAX_SAMPLED_LENGTH``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -43,6 +45,10 @@ CHAT_PATH = "/v1/chat/completions"
 WORKLOAD_KINDS = {"random", "chat", "jsonl", "shared-prefix", "multiturn"}
 LENGTH_KINDS = {"fixed", "uniform", "normal", "lognormal"}
 WORDS_PER_TOKEN = 0.75
+# The longest length a normal or lognormal spec gives unless its max= says otherwise: their tails are unbounded (a
+# lognormal of sigma 1 about 32,768 reaches millions), and 32 Ki tokens is beyond the context most served models take,
+# so a longer sample is a request the server refuses, not the load asked for. A long-context run gives max=.
+MAX_SAMPLED_LENGTH = 32_768
 
 
 @dataclass(frozen=True)
@@ -78,33 +84,72 @@ def request_body(
 
 
 def sample_lengths(text: str, count: int, rng: np.random.Generator) -> np.ndarray:
-    """``count`` integer lengths >= 1 from a length spec."""
+    """``count`` integer lengths from a length spec: ``fixed`` and ``uniform`` as written, ``normal`` and
+    ``lognormal`` rounded and clipped to [1, max]."""
     spec = parse_spec(text, LENGTH_KINDS)
     if spec.kind == "fixed":
-        values = np.full(count, _bare_int(spec))
-    elif spec.kind == "uniform":
+        return np.full(count, _bare_int(spec), dtype=np.int64)
+    if spec.kind == "uniform":
         low, high = _uniform_bounds(spec)
-        values = rng.integers(low, high + 1, size=count)
-    elif spec.kind == "normal":
-        spec.check_keys({"mean", "std"})
-        values = rng.normal(spec.get_float("mean", minimum=1), spec.get_float("std", minimum=0), size=count)
+        return rng.integers(low, high + 1, size=count).astype(np.int64)
+    location, scale, high = _distribution(spec)
+    if spec.kind == "normal":
+        values = rng.normal(location, scale, size=count)
     else:
-        spec.check_keys({"median", "sigma"})
-        median = spec.get_float("median", minimum=1)
-        values = rng.lognormal(np.log(median), spec.get_float("sigma", minimum=0), size=count)
-    return np.maximum(np.rint(values), 1).astype(np.int64)
+        values = rng.lognormal(np.log(location), scale, size=count)
+    return np.clip(np.rint(values), 1, high).astype(np.int64)
 
 
 def mean_length(text: str) -> float:
-    """The expected length of a length spec (before rounding and clipping to 1)."""
+    """The expected length of a length spec, its clipping included."""
     spec = parse_spec(text, LENGTH_KINDS)
     if spec.kind == "fixed":
         return float(_bare_int(spec))
     if spec.kind == "uniform":
         return sum(_uniform_bounds(spec)) / 2
-    if spec.kind == "normal":
-        return spec.get_float("mean", minimum=1)
-    return spec.get_float("median", minimum=1) * float(np.exp(spec.get_float("sigma", minimum=0) ** 2 / 2))
+    location, scale, high = _distribution(spec)
+    return _clipped_mean(spec.kind, location, scale, 1, high)
+
+
+def _distribution(spec: Spec) -> tuple[float, float, int]:
+    """A normal's mean and std, or a lognormal's median and sigma, and the longest length it gives (``max``)."""
+    center, spread = ("mean", "std") if spec.kind == "normal" else ("median", "sigma")
+    spec.check_keys({center, spread, "max"})
+    location, scale = spec.get_float(center, minimum=1), spec.get_float(spread, minimum=0)
+    high = spec.get_int("max", MAX_SAMPLED_LENGTH, minimum=1)
+    if location > high:
+        raise ValueError(f"{spec.text!r}: {center}={location:g} is above max={high}: give a larger max=")
+    return location, scale, high
+
+
+def _clipped_mean(kind: str, location: float, scale: float, low: int, high: int) -> float:
+    """E[clip(X, low, high)] of a normal (mean, std) or a lognormal (median, sigma): what lies below ``low`` counts
+    as ``low``, above ``high`` as ``high`` (rounding to whole tokens moves the mean by well under one)."""
+    if scale == 0:
+        return float(min(max(location, low), high))
+    if kind == "normal":
+        alpha, beta = (low - location) / scale, (high - location) / scale
+        inside = location * (_normal_cdf(beta) - _normal_cdf(alpha)) + scale * (_normal_pdf(alpha) - _normal_pdf(beta))
+    else:
+        mu = math.log(location)
+        alpha, beta = (math.log(low) - mu) / scale, (math.log(high) - mu) / scale
+        inside = _lognormal_part(mu, scale, beta) - _lognormal_part(mu, scale, alpha)
+    return low * _normal_cdf(alpha) + high * (1 - _normal_cdf(beta)) + inside
+
+
+def _lognormal_part(mu: float, sigma: float, z: float) -> float:
+    """E[X; ln X <= mu + z sigma] = e^(mu + sigma^2/2) Phi(z - sigma), in logs: the exponential alone overflows for
+    a wide sigma while the probability beside it vanishes."""
+    probability = _normal_cdf(z - sigma)
+    return math.exp(mu + sigma**2 / 2 + math.log(probability)) if probability > 0 else 0.0
+
+
+def _normal_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / math.sqrt(2))
+
+
+def _normal_pdf(z: float) -> float:
+    return math.exp(-(z**2) / 2) / math.sqrt(2 * math.pi)
 
 
 def _uniform_bounds(spec: Spec) -> tuple[int, int]:
@@ -260,6 +305,20 @@ def _read_jsonl(spec: Spec) -> list[dict[str, Any]]:
     if not items:
         raise ValueError(f"{path}: no prompts")
     return items
+
+
+def jsonl_mean_lengths(workload: str, output_len: float) -> tuple[float, float]:
+    """A jsonl workload's mean prompt tokens (token ids counted, text at ``WORDS_PER_TOKEN``) and mean output tokens
+    (a line's own max_tokens, else ``output_len``)."""
+    items = _read_jsonl(parse_spec(workload, WORKLOAD_KINDS))
+    num_tokens = [_approximate_tokens(item.get("prompt", item.get("messages", ""))) for item in items]
+    return float(np.mean(num_tokens)), float(np.mean([float(item.get("max_tokens", output_len)) for item in items]))
+
+
+def _approximate_tokens(prompt: Any) -> float:
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+        return len(prompt)
+    return len(str(prompt).split()) / WORDS_PER_TOKEN  # text, or chat messages (their words, keys and all)
 
 
 def _jsonl_request(item: dict[str, Any], max_tokens: int, spec: Spec) -> tuple[str, dict[str, Any], int]:

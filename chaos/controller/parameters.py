@@ -9,6 +9,10 @@ Toolkit's ``{"type": "env", ...}`` would be resolved from the controller's envir
 
 Files (a workload's ``jsonl:path=``, an arrival's ``trace:path=``) resolve only under the operator's data
 directory (``kvstorm chaos serve --data-dir``); without one they are refused. The child gets the resolved path.
+
+Bounded one by one, values still multiply: each load of the experiment (``LOADS``) is sized from its arrival,
+duration, workload and lengths together (``loadgen.plan.estimate_plan_size``), and a plan above
+``loadgen.plan.MAX_PLAN_TOKENS`` is refused before anything is built.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from chaos.run.load import HARNESS_DEFAULTS
 from loadgen.arrivals import make_arrivals
+from loadgen.plan import estimate_plan_size
 from loadgen.spec import Spec, parse_spec
 from loadgen.traces import TRACE_FORMATS
 from loadgen.workloads import sample_lengths
@@ -96,8 +102,9 @@ class Choice:
 
 @dataclass(frozen=True)
 class LengthSpec:
-    """``fixed:N``, ``uniform:LO-HI``, ``normal:mean=..,std=..``, ``lognormal:median=..,sigma=..``: every length at
-    most ``MAX_TOKENS``, and a lognormal's sigma at most 1 (its tail would ask for far more)."""
+    """``fixed:N``, ``uniform:LO-HI``, ``normal:mean=..,std=..[,max=..]``, ``lognormal:median=..,sigma=..[,max=..]``:
+    every length at most ``MAX_TOKENS`` (the samples of the last two are clipped to their max, 32,768 by default),
+    and a lognormal's sigma at most 1."""
 
     def check(self, value: Any, data_dir: Path | None) -> Any:
         spec = _spec(value, {"fixed", "uniform", "normal", "lognormal"})
@@ -109,6 +116,7 @@ class LengthSpec:
         else:
             for key in ("mean", "std", "median"):
                 _bounded(spec, key, 0, MAX_TOKENS)
+            _bounded(spec, "max", 1, MAX_TOKENS)
             _bounded(spec, "sigma", 0, 1)
         sample_lengths(value, 1, np.random.default_rng(0))  # the loadgen's own grammar, its own message
         return value
@@ -195,7 +203,9 @@ class ArrivalSpec:
         for key, (minimum, maximum) in TRACE_BOUNDS.items():
             _bounded(spec, key, minimum, maximum)
         settings = "".join(f",{key}={value}" for key, value in spec.params.items() if key != "path")
-        return f"trace:path={_data_file(spec.params.get('path', ''), data_dir)}{settings}"
+        checked = f"trace:path={_data_file(spec.params.get('path', ''), data_dir)}{settings}"
+        make_arrivals(checked, num_requests=1, duration_s=None)  # the loadgen's own reading, its own message
+        return checked
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -248,11 +258,39 @@ SCHEMAS: dict[str, Schema] = {
 }
 
 
+@dataclass(frozen=True)
+class Load:
+    """The parameters one load of an experiment is made of, by ``chaos.actions.run_load``'s argument they feed."""
+
+    arrival: str
+    duration_s: str
+    workload: str
+    input_len: str
+    output_len: str
+
+    def settings(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The load's settings from the experiment's values, the harness's defaults where it has no parameter."""
+        return {field: values.get(name, HARNESS_DEFAULTS.get(field)) for field, name in vars(self).items()}
+
+    @property
+    def names(self) -> str:
+        return ", ".join(name for name in vars(self).values() if name in SCHEMAS)
+
+
+# The library's loads: the main one, and the flood that is itself the fault (prefix-cache-thrash; its workload is
+# the harness's random, no parameter).
+LOADS = (
+    Load("arrival", "duration_s", "workload", "input_len", "output_len"),
+    Load("flood_arrival", "flood_for_s", "flood_workload", "flood_input_len", "flood_output_len"),
+)
+
+
 def check_overrides(
     experiment: str, parameters: Mapping[str, Any], overrides: Mapping[str, Any], data_dir: Path | None
 ) -> dict[str, Any]:
     """The overrides as the child gets them (file paths resolved), or ``ParameterRefused`` for the first value a
-    request may not give: unknown to the experiment, reserved, the operator's, not a scalar, out of bounds."""
+    request may not give: unknown to the experiment, reserved, the operator's, not a scalar, out of bounds; or for a
+    load whose plan, all its values together, is above ``MAX_PLAN_TOKENS``."""
     checked = {}
     for name, value in overrides.items():
         if name in RESERVED_PARAMETERS:
@@ -270,7 +308,21 @@ def check_overrides(
             checked[name] = SCHEMAS[name].check(value, data_dir)
         except ValueError as error:
             raise ParameterRefused(name, str(error)) from None
+    _check_plan_sizes({**parameters, **checked})
     return checked
+
+
+def _check_plan_sizes(values: Mapping[str, Any]) -> None:
+    """Each load's expected plan within ``MAX_PLAN_TOKENS``. A load without a duration here is sized from the
+    server by the run (``kv_multiple``), and one whose rates are multiples of a measured capacity is sized again
+    once it is measured: ``chaos.actions.run_load`` checks what only the run knows."""
+    for load in LOADS:
+        if load.arrival not in values or load.duration_s not in values:
+            continue
+        try:
+            estimate_plan_size(**load.settings(values)).check()
+        except ValueError as error:
+            raise ParameterRefused(load.names, str(error)) from None
 
 
 def describe(parameters: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -15,6 +15,7 @@ from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import CapacityRow, Placement, measure_capacity
 from loadgen.capacity import __doc__ as CAPACITY_DOC
+from loadgen.plan import MAX_PLAN_TOKENS, plan_size
 from loadgen.records import Outcome
 from loadgen.report import write_report
 from loadgen.results import MAX_RETRIES, MAX_WORKERS, RunConfig, read_fault_windows
@@ -84,6 +85,12 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument("--results-dir", type=Path, default=Path("bench-results"), help="where JSON + HTML go")
     parser.add_argument("--bucket", type=duration_arg, default=1.0, help="time-series bucket of the report")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"run a plan above {MAX_PLAN_TOKENS:,} tokens (requests x mean prompt + output tokens, plus shared "
+        "prefixes; about 4 GB of prompts): refused without it, before anything is built or sent",
+    )
 
 
 def add_retries_argument(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +200,8 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
         seed=args.seed,
         slo=args.slo,
     )
+    if not args.force:
+        plan_size(config).check(remedy="; --force runs it anyway")
     fault_windows = read_fault_windows(args.fault_windows) if args.fault_windows else []
     result = run_event_loop(
         run_benchmark(

@@ -62,6 +62,7 @@ def with_data(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     data = workdir / "data"
     data.mkdir()
     (data / "prompts.jsonl").write_text('{"prompt": "hello"}\n')
+    (data / "trace.jsonl").write_text('{"timestamp": 0, "prompt_len": 300, "output_len": 20}\n')
     (workdir / "elsewhere.jsonl").write_text('{"prompt": "secret"}\n')
     (data / "link.jsonl").symlink_to(workdir / "elsewhere.jsonl")
     (workdir / "not-a-directory").write_text("")
@@ -116,6 +117,8 @@ def test_files_resolve_only_under_the_operator_data_directory(plain, with_data):
     refused(post_run(url, workload="jsonl:path=../elsewhere.jsonl"), "workload", "no '..'")
     refused(post_run(url, workload="jsonl:path=link.jsonl"), "workload", "no file")
     refused(post_run(url, arrival="trace:path=/etc/passwd"), "arrival", "relative to the data directory")
+    # A trace's lengths scaled up to 100 times say how long a request may become.
+    refused(post_run(url, arrival="trace:path=trace.jsonl,length_scale=100"), "arrival", "needs max_len")
     assert requests.get(f"{url}/runs", headers=AUTH, timeout=30).json() == []
 
 
@@ -139,6 +142,22 @@ def test_rates_lengths_and_durations_are_bounded(plain):
     assert library["burst-with-vram-cap"]["schema"]["arrival"]["max_rate"] == 200
     assert "server_command" not in library["kill-and-restart"]["parameters"]
     assert library["kill-and-restart"]["operator_parameters"] == ["server_command"]
+
+
+def test_a_plan_is_bounded_by_its_product_not_only_by_each_value(plain):
+    url, workdir = plain
+    main_load = "arrival, duration_s, workload, input_len, output_len"
+    # The two: about 13 GB of prefixes, and 720,000 requests of 32,768 tokens; each value within its bound.
+    prefixes = post_run(url, workload="shared-prefix:num_prefixes=10000,prefix_len=32768")
+    refused(prefixes, main_load, "10,000 prefixes x 32,768 tokens", "100,000,000 tokens", "MAX_PLAN_TOKENS")
+    hour = post_run(url, arrival="poisson:rate=200", duration_s=3600, input_len="fixed:32768")
+    refused(hour, main_load, "720,001 requests x (32,768 prompt", "100,000,000 tokens")
+    flood = post_run(url, "prefix-cache-thrash", flood_arrival="poisson:rate=200", flood_for_s=3600,
+                     flood_input_len="fixed:32768")  # fmt: skip
+    refused(flood, "flood_arrival, flood_for_s, flood_input_len, flood_output_len", "720,001 requests")
+    # A lognormal's tail is clipped at its max, and the max is bounded as every length is.
+    refused(post_run(url, output_len="lognormal:median=100,sigma=1,max=100000"), "output_len", "32768")
+    assert_nothing_ran(url, workdir / "results")
 
 
 def test_the_token_is_checked_before_the_body_and_the_body_is_bounded(plain):

@@ -18,7 +18,7 @@ def test_a_mooncake_trace_is_replayed_and_the_server_serves_the_blocks_it_repeat
         for index in range(8)
     ]
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    spec = f"trace:path={trace},length_scale=0.03125"
+    spec = f"trace:path={trace},length_scale=0.03125,max_len=128"
     command = [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "traces", "--trace", spec, "--vllm-command", ""]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr

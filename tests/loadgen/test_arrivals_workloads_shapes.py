@@ -8,10 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadgen.arrivals import _renewal, make_arrivals, scale_rates
+from loadgen.arrivals import _renewal, expected_num_arrivals, make_arrivals, scale_rates
 from loadgen.sessions import build_sessions
 from loadgen.shapes import make_shape
-from loadgen.workloads import CHAT_PATH, COMPLETIONS_PATH, build_plan, mean_length, request_body, sample_lengths
+from loadgen.workloads import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MAX_SAMPLED_LENGTH,
+    build_plan,
+    mean_length,
+    request_body,
+    sample_lengths,
+)
 
 
 def offsets(text: str, **bounds) -> np.ndarray:
@@ -110,10 +118,61 @@ def test_an_arrival_that_cannot_be_scaled_says_why(text, factor, message):
         scale_rates(text, factor, max_rate=20)
 
 
+@pytest.mark.parametrize(
+    ("text", "bounds"),
+    [
+        ("constant:rate=3", {"duration_s": 100}),
+        ("poisson:rate=50", {"duration_s": 60}),
+        ("gamma:rate=20,burstiness=0.5", {"duration_s": 100}),
+        ("onoff:base=2,burst=40,burst_s=5,period_s=30", {"duration_s": 300}),
+        ("onoff:base=2,burst=40,burst_s=5,period_s=30,spacing=even", {"duration_s": 300}),
+        ("steps:rates=5/10/20,step_s=30", {"duration_s": 120}),
+        ("poisson:rate=50", {"duration_s": 60, "num_requests": 700}),
+        ("poisson:rate=50", {"duration_s": None, "num_requests": 700}),
+    ],
+)
+def test_the_expected_count_of_an_arrival_is_what_it_schedules(text, bounds):
+    bounds = {"num_requests": None, **bounds}
+    assert expected_num_arrivals(text, **bounds) == pytest.approx(len(offsets(text, **bounds)), rel=0.05)
+
+
+def test_the_expected_count_of_a_tiny_period_over_an_hour_is_worked_out_not_walked():
+    # 1.8 million periods: a loop over them would take seconds; whole periods are counted at once.
+    text = "onoff:base=1,burst=3,burst_s=0.001,period_s=0.002"
+    assert expected_num_arrivals(text, num_requests=None, duration_s=3600) == pytest.approx(3600 * 2)
+    with pytest.raises(ValueError, match="--num-requests or --duration"):
+        expected_num_arrivals("poisson:rate=1", num_requests=None, duration_s=None)
+
+
 def test_the_mean_of_each_length_distribution_matches_its_samples():
     rng = np.random.default_rng(0)
-    for text in ("fixed:128", "uniform:64-192", "normal:mean=256,std=32", "lognormal:median=100,sigma=0.5"):
-        assert mean_length(text) == pytest.approx(sample_lengths(text, 20_000, rng).mean(), rel=0.02)
+    for text in (
+        "fixed:128",
+        "uniform:64-192",
+        "normal:mean=256,std=32",
+        "lognormal:median=100,sigma=0.5",
+        # Clipped: a good share of the samples are at 1 or at the max, and the mean says so.
+        "normal:mean=20000,std=20000",
+        "lognormal:median=1000,sigma=3",
+        "lognormal:median=200,sigma=1.5,max=512",
+    ):
+        assert mean_length(text) == pytest.approx(sample_lengths(text, 200_000, rng).mean(), rel=0.02)
+
+
+def test_normal_and_lognormal_lengths_are_clipped_to_their_documented_bounds():
+    rng = np.random.default_rng(0)
+    # What the issue measured unclipped: 172,600 and 3.7 M tokens.
+    normal = sample_lengths("normal:mean=20000,std=40000", 100_000, rng)
+    assert (normal.min(), normal.max()) == (1, MAX_SAMPLED_LENGTH) == (1, 32_768)
+    lognormal = sample_lengths("lognormal:median=32768,sigma=1", 100_000, rng)
+    assert lognormal.min() >= 1
+    assert lognormal.max() == MAX_SAMPLED_LENGTH
+    assert sample_lengths("lognormal:median=1000,sigma=2,max=4096", 10_000, rng).max() == 4096
+    assert sample_lengths("lognormal:median=60000,sigma=0.1,max=131072", 1_000, rng).min() > 32_768
+    with pytest.raises(ValueError, match="median=40000 is above max=32768"):
+        sample_lengths("lognormal:median=40000,sigma=1", 1, rng)
+    with pytest.raises(ValueError, match="unknown key"):
+        sample_lengths("normal:mean=10,std=1,min=5", 1, rng)
 
 
 def test_length_distributions():

@@ -28,7 +28,7 @@ def test_mooncake_blocks_become_prompts_that_share_exactly_the_blocks_the_trace_
         {"timestamp": 1000, "input_length": 1400, "output_length": 30, "hash_ids": [0, 1, 3]},
     ]
     trace.write_text("\n".join(json.dumps(row) for row in rows))
-    spec = f"trace:path={trace},speedup=2,length_scale=0.25"
+    spec = f"trace:path={trace},speedup=2,length_scale=0.25,max_len=1000"
     arrivals = arrivals_of(spec)
     assert [(a.offset_s, a.prompt_len, a.output_len, a.block_len) for a in arrivals] == [
         (0.0, 250, 2, 128),
@@ -96,6 +96,10 @@ def test_a_trace_of_no_known_format_or_an_empty_window_is_refused(tmp_path):
         arrivals_of(f"trace:path={good},start_s=10")
     with pytest.raises(ValueError, match="format='vidur'"):
         arrivals_of(f"trace:path={good},format=vidur")
+    # A scale makes lengths the trace never had: the longest the run sends is said with it.
+    with pytest.raises(ValueError, match="length_scale=100 needs max_len=N"):
+        arrivals_of(f"trace:path={good},length_scale=100")
+    assert [a.prompt_len for a in arrivals_of(f"trace:path={good},length_scale=100,max_len=300")] == [100]
 
 
 def test_the_results_say_how_the_trace_was_replayed(tmp_path):
