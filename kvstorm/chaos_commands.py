@@ -66,7 +66,20 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("experiment", help="a .yaml/.json file or a library name")
     run.add_argument("--target", default=None, help="the server's base URL (the experiment's target_url)")
     run.add_argument("--model", default=None, help="the model name the server expects")
-    run.add_argument("--var", action="append", default=[], metavar="KEY=VALUE", help="any configuration value")
+    run.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any configuration value, read as YAML as in the file (where 1e-05 is a string: write 1.0e-05)",
+    )
+    run.add_argument(
+        "--var-json",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="any configuration value as JSON, typed as written (the controller passes its overrides so)",
+    )
     run.add_argument("--results-dir", type=Path, default=Path("chaos-results"), help="where each run's folder goes")
     run.add_argument(
         "--slo-profile",
@@ -218,7 +231,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
 
 def run_chaos(args: argparse.Namespace) -> int:
-    variables = dict(_parse_var(item) for item in args.var)
+    variables = chaos_run_variables(args)
     if args.target:
         variables["target_url"] = args.target
     if args.model:
@@ -315,8 +328,28 @@ def _print_where(results_dir: Path) -> None:
     print(f"{where}\nverdict: {results_dir / 'verdict.md'}, journal: {results_dir / 'journal.json'}", file=sys.stderr)
 
 
+def chaos_run_variables(args: argparse.Namespace) -> dict[str, object]:
+    """``kvstorm chaos run``'s ``--var`` values (YAML) and ``--var-json`` values (JSON, never re-read as YAML)."""
+    variables = dict(_parse_var(item) for item in args.var)
+    variables.update(_parse_var_json(item) for item in args.var_json)
+    return variables
+
+
 def _parse_var(item: str) -> tuple[str, object]:
+    key, value = _split_var("--var", item)
+    return key, yaml.safe_load(value)  # numbers stay numbers, as they would in the experiment file
+
+
+def _parse_var_json(item: str) -> tuple[str, object]:
+    key, value = _split_var("--var-json", item)
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        raise ValueError(f"--var-json {item!r}: the value is not JSON") from None
+
+
+def _split_var(flag: str, item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
     if not sep or not key:
-        raise ValueError(f"--var {item!r}: expected KEY=VALUE")
-    return key, yaml.safe_load(value)  # numbers stay numbers, as they would in the experiment file
+        raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+    return key, value

@@ -180,7 +180,7 @@ class RunManager:
         command = [
             sys.executable, "-m", "kvstorm", "chaos", "run", str(experiment.path), "--events",
             "--target", self.target_url, "--model", self.model, "--results-dir", str(run.results_dir),
-            *(f"--var={key}={json.dumps(value, default=str)}" for key, value in variables.items()),
+            *variable_args(variables),
             *(["--prometheus-url", self.prometheus_url] if self.prometheus_url else []),
         ]  # fmt: skip
         with open(run.results_dir / "run.log", "wb") as log:
@@ -257,6 +257,12 @@ class RunManager:
         deadline = time.monotonic() + timeout_s
         while run.is_active and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def variable_args(variables: Mapping[str, Any]) -> list[str]:
+    """The child's options for its configuration values: JSON (``kvstorm chaos run --var-json``), so each arrives as
+    the type it was checked as; ``--var`` reads YAML, where ``1e-05`` is a string the engine would refuse."""
+    return [f"--var-json={key}={json.dumps(value)}" for key, value in variables.items()]
 
 
 def _terminate_with_parent() -> None:

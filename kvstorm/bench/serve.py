@@ -15,10 +15,11 @@ from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import CapacityRow, Placement, measure_capacity
 from loadgen.capacity import __doc__ as CAPACITY_DOC
+from loadgen.plan import MAX_PLAN_TOKENS, plan_size
 from loadgen.records import Outcome
 from loadgen.report import write_report
 from loadgen.results import MAX_RETRIES, MAX_WORKERS, RunConfig, read_fault_windows
-from loadgen.runner import RunCutShort, run_event_loop
+from loadgen.runner import run_event_loop
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
 
@@ -84,6 +85,12 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> None
     parser.add_argument("--results-dir", type=Path, default=Path("bench-results"), help="where JSON + HTML go")
     parser.add_argument("--bucket", type=duration_arg, default=1.0, help="time-series bucket of the report")
     parser.add_argument("--no-progress", action="store_true", help="no live progress line")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help=f"run a plan above {MAX_PLAN_TOKENS:,} tokens (requests x mean prompt + output tokens, plus shared "
+        "prefixes; about 4 GB of prompts): refused without it, before anything is built or sent",
+    )
 
 
 def add_retries_argument(parser: argparse.ArgumentParser) -> None:
@@ -193,28 +200,24 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
         seed=args.seed,
         slo=args.slo,
     )
+    if not args.force:
+        plan_size(config).check(remedy="; --force runs it anyway")
     fault_windows = read_fault_windows(args.fault_windows) if args.fault_windows else []
-    benchmark = run_benchmark(
-        config,
-        fault_windows=fault_windows,
-        prometheus_url=args.prometheus_url,
-        extra_body=args.extra_body,
-        api_key=args.api_key,
-        show_progress=not args.no_progress,
-        announce=print,
+    result = run_event_loop(
+        run_benchmark(
+            config,
+            fault_windows=fault_windows,
+            prometheus_url=args.prometheus_url,
+            extra_body=args.extra_body,
+            api_key=args.api_key,
+            show_progress=not args.no_progress,
+            announce=print,
+        )
     )
-    try:
-        result = run_event_loop(benchmark)
-    except RunCutShort as cut:  # interrupted, or a load worker lost: what ended is written all the same
-        if cut.result is None:
-            raise
-        result = cut.result
     stem = f"serve-{time.strftime('%Y%m%d-%H%M%S', time.localtime(result.start_unix))}-{result.run_id}"
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"
     result.write(json_path)
     write_report(result, html_path, bucket_s=args.bucket)
     failures = [] if result.summary.outcomes[Outcome.OK] else ["no request succeeded"]
-    if result.cut_short is not None:
-        failures.append(f"the run was cut short: {result.cut_short}")
     markdown = f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`"
     return BenchReport(markdown, failures=failures)

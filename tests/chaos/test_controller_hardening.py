@@ -17,11 +17,13 @@ import yaml
 from rich.console import Console
 
 from chaos.controller.parameters import OPERATOR_PARAMETERS, RESERVED_PARAMETERS, SCHEMAS, check_overrides
-from chaos.controller.runs import load_library
+from chaos.controller.runs import load_library, variable_args
 from chaos.injectors.processes import ManagedServer, free_port
 from chaos.judgement.verdict import Verdict
 from chaos.run.runner import EXPERIMENTS_DIR, _write_results
 from chaos.run.state import reset
+from kvstorm.chaos_commands import chaos_run_variables
+from kvstorm.cli import build_parser
 from loadgen.results import replacing, write_text_atomic
 from tests.chaos.test_experiments import SHORT
 
@@ -158,6 +160,19 @@ def test_a_plan_is_bounded_by_its_product_not_only_by_each_value(plain):
     # A lognormal's tail is clipped at its max, and the max is bounded as every length is.
     refused(post_run(url, output_len="lognormal:median=100,sigma=1,max=100000"), "output_len", "32768")
     assert_nothing_ran(url, workdir / "results")
+
+
+def test_overrides_reach_the_run_as_the_types_they_were_checked_as():
+    """The controller's child command line, read by ``kvstorm chaos run``'s own parser: a float that YAML reads as
+    a string (1e-05, which the engine then refuses) stays a float, an int an int, a string a string."""
+    swap = load_library()["swap-pressure-slow-host-link"]
+    overrides = {"swap_delay_per_block": 1e-05, "duration_s": 30, "faults_for_s": 2.5, "arrival": "poisson:rate=1"}
+    variables = check_overrides(swap.name, swap.parameters, overrides, None)
+    argv = ["chaos", "run", str(swap.path), *variable_args(variables)]
+    received = chaos_run_variables(build_parser(argv).parse_args(argv))
+    assert received == variables == overrides
+    assert [type(received[key]) for key in overrides] == [float, int, float, str]
+    assert yaml.safe_load("1e-05") == "1e-05", "what the child read before: its --var values are YAML"
 
 
 def test_the_token_is_checked_before_the_body_and_the_body_is_bounded(plain):
