@@ -17,6 +17,7 @@ from loadgen.progress import LiveProgress
 from loadgen.prometheus import fetch_series
 from loadgen.records import Outcome
 from loadgen.results import FaultWindow, RunConfig, RunResult
+from loadgen.runner import RunCutShort
 from loadgen.spec import parse_spec
 from loadgen.traces import replay
 from loadgen.workers import run_in_workers
@@ -36,7 +37,8 @@ async def run_benchmark(
 ) -> RunResult:
     """``counters``: live counts for a caller that shows its own progress (a chaos run); fresh ones otherwise.
     ``announce``: told, before anything is sent, what the plan expects where a reader should know it first (the
-    prefix reuse a shared-prefix workload offers)."""
+    prefix reuse a shared-prefix workload offers). A run stopped before its end raises :class:`RunCutShort` with
+    ``result`` set: the results of the requests that ended, marked ``cut_short``, for the caller to keep."""
     slos = parse_slos(config.slo)  # fail on a bad SLO before sending anything
     plan = plan_run(config)
     shareable = sum(planned.shared_prefix_tokens for planned in plan.requests)
@@ -49,25 +51,32 @@ async def run_benchmark(
         )
     counters = counters or RunCounters()
     progress = LiveProgress(counters) if show_progress else contextlib.nullcontext()
-    if config.workers > 1:
-        async with progress:
-            records, timing, _ = await run_in_workers(
-                config, config.workers, extra_body=extra_body, api_key=api_key, counters=counters
-            )
-    else:
-        client = StreamingClient.for_run(config, extra_body=extra_body, api_key=api_key, counters=counters)
-        async with client, progress:
-            records, timing = await plan.run(client, config.max_concurrency)
+    cut: RunCutShort | None = None
+    try:
+        if config.workers > 1:
+            async with progress:
+                records, timing, _ = await run_in_workers(
+                    config, config.workers, extra_body=extra_body, api_key=api_key, counters=counters
+                )
+        else:
+            client = StreamingClient.for_run(config, extra_body=extra_body, api_key=api_key, counters=counters)
+            async with client, progress:
+                records, timing = await plan.run(client, config.max_concurrency)
+    except RunCutShort as error:
+        cut, records, timing = error, error.records, error.timing
     summary = summarize(records, timing.duration_s, slos, plan.num_turns)
     notes = advisories(summary, records, exact_output=config.exact_output, max_concurrency=config.max_concurrency)
+    notes += timing.notes
     if parse_spec(config.arrival, ARRIVAL_KINDS).kind == "trace":
         notes.insert(0, replay(config.arrival).description)
+    if cut is not None:
+        notes.insert(0, f"CUT SHORT: {cut.reason}. Every number here is of the requests that ended before.")
     series = []
-    if prometheus_url:
+    if prometheus_url and cut is None:
         end_unix = max(time.time(), timing.start_unix + timing.duration_s)
         series, prometheus_notes = await fetch_series(prometheus_url, timing.start_unix, end_unix, prometheus_step_s)
         notes += prometheus_notes
-    return RunResult(
+    result = RunResult(
         run_id=timing.run_id,
         start_unix=timing.start_unix,
         start_ts=timing.start_ts,
@@ -77,7 +86,12 @@ async def run_benchmark(
         records=records,
         fault_windows=list(fault_windows),
         prometheus=series,
+        cut_short=cut.reason if cut is not None else None,
     )
+    if cut is not None:
+        cut.result = result
+        raise cut
+    return result
 
 
 def summary_markdown(result: RunResult) -> str:

@@ -35,6 +35,14 @@ import httptools
 MAX_BYTES_WITHOUT_BODY = 64 << 10
 # Header lines (trailers included) one response may have: http.client's and urllib3's limit.
 MAX_HEADER_LINES = 100
+# Bytes parsed in one turn of the event loop, at most; the rest waits for the next turn. libuv reads a ready socket
+# up to 32 times in a turn, so one flooding server could otherwise hand over megabytes at once, and every timer of the
+# run (the schedule's sends, the deadlines) would wait behind their parsing: 64 KiB of the worst case (keep-alive
+# comments, a line each) parse in about 10 ms.
+MAX_BYTES_PER_TURN = 64 << 10
+# A connection stops reading while this much of what it read waits to be parsed (asyncio's flow control): a server
+# that sends faster than the client parses is slowed to the client's pace, never buffered without bound.
+MAX_PENDING_BYTES = 128 << 10
 
 
 class _ResponseTooLarge(Exception):
@@ -153,24 +161,37 @@ class _ReadBacklog:
 
     When many streams' tokens arrive together (a server's decode step, or its timer tick), parsing each read before
     taking the next one would stamp the last read of the batch late by the parsing of all the others; stamping first
-    keeps that lateness down to the reads alone. A connection's end is queued behind its reads."""
+    keeps that lateness down to the reads alone. A connection's end is queued behind its reads. At most
+    :data:`MAX_BYTES_PER_TURN` are parsed in one turn of the event loop."""
 
     def __init__(self) -> None:
         # (connection, a read and its stamp) or (connection, None, the exception its loss came with)
         self._items: list[tuple[_Connection, bytes | None, float | Exception | None]] = []
+        self._is_scheduled = False
 
     def add(self, connection: _Connection, data: bytes | None, stamp_or_loss: float | Exception | None) -> None:
-        if not self._items:
-            asyncio.get_running_loop().call_soon(self._process)
         self._items.append((connection, data, stamp_or_loss))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._is_scheduled:
+            self._is_scheduled = True
+            asyncio.get_running_loop().call_soon(self._process)
 
     def _process(self) -> None:
+        self._is_scheduled = False
         items, self._items = self._items, []
-        for connection, data, stamp_or_loss in items:
+        budget = MAX_BYTES_PER_TURN
+        for position, (connection, data, stamp_or_loss) in enumerate(items):
+            if budget <= 0:
+                self._items[:0] = items[position:]
+                self._schedule()
+                return
             try:
                 if data is None:
                     connection.end(stamp_or_loss)
                 else:
+                    budget -= len(data)
                     connection.parse(data, stamp_or_loss)
             except Exception as error:  # a bug on this side: that stream fails, visibly, and the others go on
                 asyncio.get_running_loop().call_exception_handler(
@@ -193,6 +214,9 @@ class _Connection(asyncio.Protocol):
         # Bytes read in a row with no body data among them, and whether the current read brought some.
         self._num_bytes_without_body = 0
         self._read_had_body = False
+        # Read and not yet parsed; reading pauses past MAX_PENDING_BYTES.
+        self._num_pending_bytes = 0
+        self._is_reading_paused = False
         self._started = False
         self._read_ts = 0.0
         self._closed = self._aborted = False
@@ -248,6 +272,10 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.answered = True
         self._backlog.add(self, data, time.perf_counter())
+        self._num_pending_bytes += len(data)
+        if self._num_pending_bytes > MAX_PENDING_BYTES and not self._is_reading_paused:
+            self._is_reading_paused = True
+            self._transport.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -256,6 +284,11 @@ class _Connection(asyncio.Protocol):
     # what the backlog hands on, in arrival order
 
     def parse(self, data: bytes, read_ts: float) -> None:
+        self._num_pending_bytes -= len(data)
+        if self._is_reading_paused and self._num_pending_bytes <= MAX_PENDING_BYTES // 2:
+            self._is_reading_paused = False
+            if self._transport is not None and not self._transport.is_closing():
+                self._transport.resume_reading()
         if self._aborted:
             return  # what was still queued has no reader
         if self._sink is None or self._complete:

@@ -50,7 +50,7 @@ from urllib3.exceptions import ReadTimeoutError
 
 from loadgen import web_login, web_swarm
 from loadgen.arrivals import Arrival
-from loadgen.client import retry_wait_s
+from loadgen.client import retry_after_note, retry_wait_s
 from loadgen.merged_run import merged_result
 from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
@@ -209,6 +209,9 @@ class BaseStreamUser(HttpUser):
                     break
                 time_left_s = sent_ts + self.request_timeout_s - time.perf_counter()
                 retry_after = response.headers.get("Retry-After", "")
+                note = retry_after_note(retry_after) if self.retries else None
+                if note is not None and note not in tracker.notes:
+                    tracker.notes.append(note)
                 delay_s = retry_wait_s(self.retries, status, retry_after, tracker.attempts, time_left_s)
                 # Every refusal is a failed POST in Locust's table, a retried one too: the server refused it.
                 response.failure(f"rejected: HTTP {status}" + ("" if delay_s is None else " (sent again)"))
@@ -223,6 +226,9 @@ class BaseStreamUser(HttpUser):
         try:
             for chunk in response.iter_content(chunk_size=None):
                 tracker.feed(chunk, time.perf_counter())
+                if tracker.cut_reason is not None:  # the stream broke a bound: it is not read further
+                    response.close()
+                    return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, tracker.cut_reason)
         except requests.exceptions.RequestException as error:
             # requests re-raises a read timeout inside iter_content as a ConnectionError wrapping urllib3's error.
             if isinstance(error, requests.exceptions.Timeout) or isinstance(

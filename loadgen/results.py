@@ -71,6 +71,8 @@ class RunResult(BaseModel):
     records: list[RequestRecord]
     fault_windows: list[FaultWindow] = []
     prometheus: list[PromSeries] = []
+    # Why the run stopped before its end (interrupted, a load worker lost); None for a run that ran to its end.
+    cut_short: str | None = None
 
     def write(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

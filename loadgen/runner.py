@@ -4,6 +4,10 @@ The dispatcher sleeps until each request's scheduled time and starts it as its o
 response, so a slow server cannot slow the schedule down (no coordinated omission). ``max_concurrency`` is the only
 exception, and an explicit one: a request over the cap waits client-side for a free slot, its ``sent_s`` records
 when it really left, and ``sent_s - scheduled_s`` (the send lag) shows the cost in the results.
+
+Each request's record is kept the moment it ends, so a run that stops early (Ctrl-C, a caller's cancel) raises
+:class:`RunCutShort` with every record it has; a failure of one task is logged and named in the run's notes, and
+the run goes on.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import uvloop
 
@@ -23,7 +28,11 @@ from loadgen.client import StreamingClient
 from loadgen.records import RequestRecord
 from loadgen.workloads import PlannedRequest
 
+if TYPE_CHECKING:
+    from loadgen.results import RunResult
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 # Scheduling starts a little after the call so the first requests are not late by the setup of the first tasks.
 START_DELAY_S = 0.05
@@ -70,6 +79,19 @@ class RunTiming:
     start_ts: float
     start_unix: float
     duration_s: float
+    # What went wrong on the client's side without ending the run (a task that failed), for the results' notes.
+    notes: tuple[str, ...] = ()
+
+
+class RunCutShort(Exception):
+    """The run stopped before its end (interrupted, cancelled, a load worker lost): ``records`` are the requests
+    that ended before (those in flight were cut and have none), ``reason`` says what happened and what is missing.
+    :func:`loadgen.benchmark.run_benchmark` sets ``result``, the results built from them, before it lets this on."""
+
+    def __init__(self, reason: str, records: list[RequestRecord], timing: RunTiming) -> None:
+        super().__init__(reason)
+        self.reason, self.records, self.timing = reason, records, timing
+        self.result: RunResult | None = None
 
 
 @dataclass(frozen=True)
@@ -88,7 +110,8 @@ class RunStart:
 
 
 class RunContext:
-    """What every request of one run shares: its id, its zero, and the client-side concurrency cap."""
+    """What every request of one run shares: its id, its zero, the client-side concurrency cap, and the records of
+    the requests that have ended (``records``, in the order they ended)."""
 
     def __init__(self, client: StreamingClient, max_concurrency: int | None, start: RunStart | None = None) -> None:
         if max_concurrency is not None and max_concurrency < 1:
@@ -97,15 +120,40 @@ class RunContext:
         start = start or RunStart.soon()
         self.run_id, self.start_ts, self.start_unix = start.run_id, start.start_ts, start.start_unix
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self.records: list[RequestRecord] = []
+        self.failures: list[str] = []
 
-    async def send(self, planned: PlannedRequest, keep_text: bool = False) -> tuple[RequestRecord, str]:
+    async def send(
+        self, planned: PlannedRequest, keep_text: bool = False, *, session: int | None = None, turn: int | None = None
+    ) -> tuple[RequestRecord, str]:
+        """Send ``planned`` and keep its record (of ``session``'s ``turn``, for a multi-turn workload)."""
         # Sent as X-Request-Id, so UUID-shaped (the run, then the request's index in hex): some servers refuse
         # any other shape with a 400 (llama-cpp-python's, through starlette-context).
         request_id = f"{self.run_id}-0000-4000-8000-{planned.index:012x}"
         async with self._slots or contextlib.nullcontext():
-            return await self.client.send_for_text(
-                planned, request_id=request_id, run_start_ts=self.start_ts, keep_text=keep_text
+            record, text = await self.client.send_for_text(
+                planned,
+                request_id=request_id,
+                run_start_ts=self.start_ts,
+                keep_text=keep_text,
+                session=session,
+                turn=turn,
             )
+        self.records.append(record)
+        return record, text
+
+    async def run_task(self, start: Callable[[int, RunContext], Awaitable[None]], index: int) -> None:
+        """``start(index, self)``; a failure of this side's code is logged and noted, and ends this task only."""
+        try:
+            await start(index, self)
+        except Exception as error:
+            logger.exception("load task %d failed", index)
+            self.failures.append(f"load task {index} failed in the client: {type(error).__name__}: {error}")
+
+    def timing(self) -> RunTiming:
+        """Until now; with the failures noted so far."""
+        duration_s = time.perf_counter() - self.start_ts
+        return RunTiming(self.run_id, self.start_ts, self.start_unix, duration_s, tuple(self.failures))
 
 
 async def run_open_loop(
@@ -115,30 +163,42 @@ async def run_open_loop(
     max_concurrency: int | None = None,
     start: RunStart | None = None,
 ) -> tuple[list[RequestRecord], RunTiming]:
-    async def one(index: int, context: RunContext) -> list[RequestRecord]:
-        return [(await context.send(plan[index]))[0]]
+    async def one(index: int, context: RunContext) -> None:
+        await context.send(plan[index])
 
     return await run_at_offsets([p.offset_s for p in plan], one, client, len(plan), max_concurrency, start)
 
 
 async def run_at_offsets(
     offsets_s: list[float],
-    start: Callable[[int, RunContext], Awaitable[list[RequestRecord]]],
+    start: Callable[[int, RunContext], Awaitable[None]],
     client: StreamingClient,
     num_requests: int,
     max_concurrency: int | None,
     run_start: RunStart | None = None,
 ) -> tuple[list[RequestRecord], RunTiming]:
     """Start ``start(i, context)`` as its own task at offset ``offsets_s[i]`` from the run's start (``run_start``, by
-    default a moment from now), never waiting for an earlier one; every record they return, in index order.
-    ``num_requests``: how many requests the run plans (what progress counts towards)."""
+    default a moment from now), never waiting for an earlier one; every record its requests (``context.send``) left,
+    in index order. ``num_requests``: how many requests the run plans (what progress counts towards). Cancelled, it
+    cuts the requests in flight and raises :class:`RunCutShort` with the records it has."""
     context = RunContext(client, max_concurrency, run_start)
     client.counters.total = num_requests
+    tasks: list[asyncio.Task] = []
     with cycle_collector_paused():
-        tasks = []
-        for index, offset_s in enumerate(offsets_s):
-            await sleep_until(context.start_ts + offset_s)
-            tasks.append(asyncio.create_task(start(index, context)))
-        records = sorted((r for batch in await asyncio.gather(*tasks) for r in batch), key=lambda r: r.index)
-    duration_s = time.perf_counter() - context.start_ts
-    return records, RunTiming(context.run_id, context.start_ts, context.start_unix, duration_s)
+        try:
+            for index, offset_s in enumerate(offsets_s):
+                await sleep_until(context.start_ts + offset_s)
+                tasks.append(asyncio.create_task(context.run_task(start, index)))
+            await asyncio.gather(*tasks)
+        except asyncio.CancelledError as stop:
+            num_in_flight = client.counters.num_in_flight
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            reason = (
+                f"the run was stopped after {time.perf_counter() - context.start_ts:.1f} s: {len(context.records)} "
+                f"of {num_requests} planned requests ended and are recorded, {num_in_flight} in flight were cut "
+                "(no record)"
+            )
+            raise RunCutShort(reason, sorted(context.records, key=lambda r: r.index), context.timing()) from stop
+    return sorted(context.records, key=lambda r: r.index), context.timing()

@@ -294,23 +294,31 @@ class ServerProcess:
             return {entry["request_id"]: entry for entry in json.load(response)}
 
 
-@contextlib.contextmanager
 def scripted_server_process(
     *args: str, cpu: int | None = None, env: dict[str, str] | None = None
-) -> Iterator[ServerProcess]:
+) -> contextlib.AbstractContextManager[ServerProcess]:
     """``python -m loadgen.scripted_server ARGS`` on a free loopback port, at timing priority, stopped on exit."""
+    return server_process("loadgen.scripted_server", *args, cpu=cpu, env=env)
+
+
+@contextlib.contextmanager
+def server_process(
+    module: str, *args: str, cpu: int | None = None, env: dict[str, str] | None = None, timing_priority: bool = True
+) -> Iterator[ServerProcess]:
+    """``python -m MODULE --port 0 ARGS``, a server that prints ``listening on HOST:PORT`` once it listens, stopped on
+    exit; at timing priority unless ``timing_priority`` is false (an adversary, which must not outrun its client)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "loadgen.scripted_server", "--port", "0", *args],
+        [sys.executable, "-m", module, "--port", "0", *args],
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=functools.partial(prioritize_timing, cpu),
+        preexec_fn=functools.partial(prioritize_timing, cpu) if timing_priority else None,
         start_new_session=True,
         env=env,
     )
     try:
         line = process.stdout.readline()
         if not line.startswith("listening on "):
-            raise RuntimeError(f"the scripted server did not start: {line!r}")
+            raise RuntimeError(f"{module} did not start: {line!r}")
         yield ServerProcess(process, "http://" + line.removeprefix("listening on ").strip())
     finally:
         process.terminate()

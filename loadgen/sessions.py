@@ -91,8 +91,8 @@ async def run_sessions(
 ) -> tuple[list[RequestRecord], RunTiming]:
     """Every session from its arrival, each turn after the previous answer; the records of the turns sent."""
 
-    async def session(index: int, context: RunContext) -> list[RequestRecord]:
-        return await _run_session(plan, plan.sessions[index], context)
+    async def session(index: int, context: RunContext) -> None:
+        await _run_session(plan, plan.sessions[index], context)
 
     offsets = [s.offset_s for s in plan.sessions]
     return await run_at_offsets(offsets, session, client, plan.num_requests, max_concurrency, start)
@@ -128,17 +128,14 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
 
 
-async def _run_session(plan: SessionPlan, planned: PlannedSession, context: RunContext) -> list[RequestRecord]:
+async def _run_session(plan: SessionPlan, planned: PlannedSession, context: RunContext) -> None:
     conversation = Conversation(plan, planned)
-    records: list[RequestRecord] = []
     scheduled_s = planned.offset_s
     for turn in range(plan.num_turns):
         await sleep_until(context.start_ts + scheduled_s)
-        record, answer = await context.send(conversation.request(turn, scheduled_s), keep_text=True)
-        record.session, record.turn = planned.index, turn + 1
-        records.append(record)
+        request = conversation.request(turn, scheduled_s)
+        record, answer = await context.send(request, keep_text=True, session=planned.index, turn=turn + 1)
         if record.outcome is not Outcome.OK:
             break
         conversation.add_answer(record, answer)
         scheduled_s = record.end_s + plan.think_s
-    return records

@@ -71,14 +71,19 @@ class SseParser:
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         *lines, rest = chunk.split(b"\n")
+        if lines and self._pieces:
+            lines[0] = b"".join((*self._pieces, lines[0]))
+            self._pieces, self._num_pending = [], 0
         events = []
-        for index, raw_line in enumerate(lines):
-            if index == 0 and self._pieces:
-                raw_line = b"".join((*self._pieces, raw_line))
-                self._pieces, self._num_pending = [], 0
-            event = self._line(self._bounded(raw_line))
-            if event is not None:
-                events.append(event)
+        for raw_line in lines:
+            if not raw_line:
+                event = self._dispatch()
+                if event is not None:
+                    events.append(event)
+            elif raw_line.startswith(b":"):  # a comment (a keep-alive): counted, not decoded
+                self.num_comments += 1
+            else:
+                self._field(self._bounded(raw_line))
         if rest:
             self._num_pending += len(rest)
             self._pieces.append(rest)
@@ -92,12 +97,7 @@ class SseParser:
             raise SseLimitExceeded(f"an SSE line of {len(raw_line)} bytes, more than {MAX_EVENT_BYTES}")
         return raw_line.decode("utf-8", errors="replace")
 
-    def _line(self, line: str) -> SseEvent | None:
-        if not line:
-            return self._dispatch()
-        if line.startswith(":"):
-            self.num_comments += 1
-            return None
+    def _field(self, line: str) -> None:
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
         self._has_field = True
@@ -108,7 +108,6 @@ class SseParser:
             self._data_lines.append(value)
         elif name == "event":
             self._event = value
-        return None
 
     def _dispatch(self) -> SseEvent | None:
         event = SseEvent("\n".join(self._data_lines), self._event) if self._data_lines else None

@@ -13,8 +13,9 @@ gaps of that stream are per chunk; more token chunks than usage counts is broken
 Every byte the server sends is input. Each field is type-checked where it is read: a field of the wrong type is a
 ``protocol error`` of that stream (it ends broken, with the reason), never an exception. What the tracker keeps is
 bounded: an SSE line or event (:data:`loadgen.sse.MAX_EVENT_BYTES`), the problems it names (:data:`MAX_PROBLEMS`),
-and the tokens: more token chunks than requested, plus :data:`TOKEN_SLACK`, and the stream is to be cut
-(:attr:`StreamTracker.cut_reason`; the transport closes it).
+the tokens (more token chunks than requested, plus :data:`TOKEN_SLACK`) and the bytes without a token
+(:data:`MAX_BYTES_WITHOUT_TOKEN`): past a bound the stream is to be cut (:attr:`StreamTracker.cut_reason`; the
+transport closes it).
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ import logging
 import orjson
 
 from loadgen.records import Outcome, RequestRecord
-from loadgen.sse import SseLimitExceeded, SseParser
+from loadgen.sse import MAX_EVENT_BYTES, SseLimitExceeded, SseParser
 
 logger = logging.getLogger(__name__)
 
 # Token chunks a stream may send past its max_tokens before it is cut as a flood (a server that counts a last empty
 # chunk as a token, or sends the finish reason apart, stays well inside).
 TOKEN_SLACK = 16
+# Bytes a stream may send in a row without a token (keep-alive comments, role or usage chunks) before it is cut: a
+# server that pings a queued request every few seconds sends a few bytes each time, and the event that carries a
+# token is at most MAX_EVENT_BYTES; a flood of comments would otherwise cost the client's CPU until the request
+# timeout.
+MAX_BYTES_WITHOUT_TOKEN = MAX_EVENT_BYTES + (64 << 10)
 # Distinct problems one record names; the rest are counted.
 MAX_PROBLEMS = 8
 # A finish reason is a short word (stop, length, abort, tool_calls, content_filter); a longer string is not one.
@@ -89,6 +95,7 @@ class StreamTracker:
         self.notes: list[str] = []
         self.cut_reason: str | None = None
         self._max_token_chunks = requested_output_tokens + TOKEN_SLACK
+        self._num_bytes_without_token = 0
         self._parser = SseParser()
         self._empty_finish_ts: float | None = None
         # The streamed text, for a caller that sends it back (the next turn of a conversation).
@@ -114,7 +121,11 @@ class StreamTracker:
                     break
         except SseLimitExceeded as error:
             self.cut_reason = str(error)
-        return len(self.token_ts) - num_before
+        num_tokens = len(self.token_ts) - num_before
+        self._num_bytes_without_token = 0 if num_tokens else self._num_bytes_without_token + len(chunk)
+        if self._num_bytes_without_token > MAX_BYTES_WITHOUT_TOKEN and self.cut_reason is None:
+            self.cut_reason = f"more than {MAX_BYTES_WITHOUT_TOKEN} bytes in a row with no token"
+        return num_tokens
 
     def _event(self, data: str, now_ts: float) -> None:
         if self.done_ts is not None:

@@ -13,7 +13,7 @@ from chaos.run.monitor import MetricsMonitor
 from chaos.run.state import LoadRun, current
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
-from loadgen.runner import run_event_loop
+from loadgen.runner import RunCutShort, run_event_loop
 
 BASELINE_REQUESTS = 3
 # The baseline draws its prompts from a seed no load uses by default, so it leaves no prefix in a server's cache that
@@ -86,7 +86,7 @@ async def _unless_stopped(benchmark: Coroutine[Any, Any, RunResult], stopping: t
         if done:
             return run.result()
     run.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    with contextlib.suppress(asyncio.CancelledError, RunCutShort):
         await run
     raise LoadStopped("the experiment was interrupted: the load's open streams were closed, the rest not sent")
 

@@ -19,7 +19,7 @@ from loadgen.plan import MAX_PLAN_TOKENS, plan_size
 from loadgen.records import Outcome
 from loadgen.report import write_report
 from loadgen.results import MAX_RETRIES, MAX_WORKERS, RunConfig, read_fault_windows
-from loadgen.runner import run_event_loop
+from loadgen.runner import RunCutShort, run_event_loop
 from loadgen.spec import parse_duration
 from loadgen.workloads import __doc__ as WORKLOADS_DOC
 
@@ -203,21 +203,27 @@ def run_bench_serve(args: argparse.Namespace) -> BenchReport:
     if not args.force:
         plan_size(config).check(remedy="; --force runs it anyway")
     fault_windows = read_fault_windows(args.fault_windows) if args.fault_windows else []
-    result = run_event_loop(
-        run_benchmark(
-            config,
-            fault_windows=fault_windows,
-            prometheus_url=args.prometheus_url,
-            extra_body=args.extra_body,
-            api_key=args.api_key,
-            show_progress=not args.no_progress,
-            announce=print,
-        )
+    benchmark = run_benchmark(
+        config,
+        fault_windows=fault_windows,
+        prometheus_url=args.prometheus_url,
+        extra_body=args.extra_body,
+        api_key=args.api_key,
+        show_progress=not args.no_progress,
+        announce=print,
     )
+    try:
+        result = run_event_loop(benchmark)
+    except RunCutShort as cut:  # interrupted, or a load worker lost: what ended is written all the same
+        if cut.result is None:
+            raise
+        result = cut.result
     stem = f"serve-{time.strftime('%Y%m%d-%H%M%S', time.localtime(result.start_unix))}-{result.run_id}"
     json_path, html_path = args.results_dir / f"{stem}.json", args.results_dir / f"{stem}.html"
     result.write(json_path)
     write_report(result, html_path, bucket_s=args.bucket)
     failures = [] if result.summary.outcomes[Outcome.OK] else ["no request succeeded"]
+    if result.cut_short is not None:
+        failures.append(f"the run was cut short: {result.cut_short}")
     markdown = f"{summary_markdown(result)}\n\nResults: `{json_path}`, report: `{html_path}`"
     return BenchReport(markdown, failures=failures)
