@@ -16,14 +16,17 @@ import requests
 import yaml
 from rich.console import Console
 
+from chaos.actions import run_load
 from chaos.controller.parameters import OPERATOR_PARAMETERS, RESERVED_PARAMETERS, SCHEMAS, check_overrides
 from chaos.controller.runs import load_library, variable_args
 from chaos.injectors.processes import ManagedServer, free_port
 from chaos.judgement.verdict import Verdict
 from chaos.run.runner import EXPERIMENTS_DIR, _write_results
+from chaos.run.sizing import TargetSize
 from chaos.run.state import reset
 from kvstorm.chaos_commands import chaos_run_variables
 from kvstorm.cli import build_parser
+from loadgen.plan import PlanTooLarge
 from loadgen.results import replacing, write_text_atomic
 from tests.chaos.test_experiments import SHORT
 
@@ -160,6 +163,18 @@ def test_a_plan_is_bounded_by_its_product_not_only_by_each_value(plain):
     # A lognormal's tail is clipped at its max, and the max is bounded as every length is.
     refused(post_run(url, output_len="lognormal:median=100,sigma=1,max=100000"), "output_len", "32768")
     assert_nothing_ran(url, workdir / "results")
+
+
+def test_a_load_sized_from_the_server_is_bounded_by_the_run_once_the_size_is_known():
+    """A burst in multiples of the measured capacity: the controller sees 0.5 x capacity for an hour (1,801 requests
+    at 1 request/s), the run a server measured at 20 requests/s (as ``measure_target`` records it), 36,001
+    requests of 8,256 tokens. The load is refused before it is built or sends anything (no server listens here)."""
+    burst = load_library()["burst-at-2x-capacity"]
+    load = {"arrival": "poisson:rate=0.5", "duration_s": 3600, "input_len": "fixed:8192", "output_len": "fixed:64"}
+    assert check_overrides(burst.name, burst.parameters, load, None) == load
+    reset().target_size = TargetSize(kv_tokens=1_000_000, capacity_rps=20.0)
+    with pytest.raises(PlanTooLarge, match=r"36,001 requests x \(8,192 prompt \+ 64 output tokens\)"):
+        run_load(f"http://127.0.0.1:{free_port()}", "m", rate_unit="capacity", **load)
 
 
 def test_overrides_reach_the_run_as_the_types_they_were_checked_as():
