@@ -47,6 +47,7 @@ BENCHMARKS = {
     "cpu-speed": ("kvstorm.bench.cpu_speed", "add_bench_cpu_speed_parser", "run_bench_cpu_speed"),
     "simulator": ("kvstorm.bench.simulator", "add_bench_simulator_parser", "run_bench_simulator"),
     "what-if": ("kvstorm.bench.what_if", "add_bench_what_if_parser", "run_bench_what_if"),
+    "soak": ("kvstorm.bench.soak", "add_bench_soak_parser", "run_bench_soak"),
     "simulator-speed": (
         "kvstorm.bench.simulator_speed",
         "add_bench_simulator_speed_parser",

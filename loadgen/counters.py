@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loadgen.records import Outcome, RequestRecord
 
@@ -15,6 +16,8 @@ class RunCounters:
     num_finished: int = 0
     num_failed: int = 0
     num_tokens: int = 0
+    # Requests finished, by outcome.
+    outcomes: Counter = field(default_factory=Counter)
     # Called with each request's record as it ends (on the run's event loop: it must not block), for a live
     # consumer such as the chaos controller's client-side metrics.
     on_record: Callable[[RequestRecord], None] | None = None
@@ -22,6 +25,7 @@ class RunCounters:
     def finished(self, record: RequestRecord) -> None:
         self.num_finished += 1
         self.num_failed += record.outcome is not Outcome.OK
+        self.outcomes[record.outcome] += 1
         if self.on_record is not None:
             self.on_record(record)
 
