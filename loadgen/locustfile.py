@@ -38,11 +38,13 @@ import argparse
 import itertools
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import gevent
 import requests
+import urllib3
 from locust import HttpUser, LoadTestShape, constant, events, task
 from locust.exception import StopUser
 from locust.runners import MasterRunner, WorkerRunner
@@ -151,6 +153,27 @@ class BrokenStream(Exception):
     """The E2E sample of a stream that did not end cleanly (broken stream or client timeout)."""
 
 
+# The most one read of a stream hands to the tracker.
+READ_BYTES = 64 << 10
+
+
+def _reads(response: requests.Response) -> Iterator[bytes]:
+    """A streamed body's bytes as they arrive, at most ``READ_BYTES`` at a time: per HTTP chunk when it is chunked,
+    else whatever the socket has. ``iter_content(chunk_size=None)`` reads a body that is not chunked (close-delimited,
+    or with a Content-Length) to its very end before it yields anything: a flood would pile up in memory, and no
+    token would be timed until the last."""
+    raw = response.raw
+    if raw.chunked and raw.supports_chunked_reads():
+        yield from raw.read_chunked(READ_BYTES, decode_content=True)
+        return
+    while data := raw.read1(READ_BYTES, decode_content=True):
+        yield data
+
+
+class WholeRequestTimeout(Exception):
+    """Raised into a user's greenlet when its request, retries included, outlasts the request timeout."""
+
+
 class CutShort(Exception):
     """The SESSION sample of a conversation that a turn which did not end ok cut short."""
 
@@ -190,6 +213,21 @@ class BaseStreamUser(HttpUser):
             stall_timeout_s=self.stall_timeout_s,
             collect_text=keep_text,
         )
+        try:
+            # The whole request, retries included: a read timeout alone would let a server that keeps sending (endless
+            # trailers, which urllib3 reads to their end) hold this user for as long as it likes.
+            with gevent.Timeout(self.request_timeout_s, WholeRequestTimeout):
+                record = self._exchange(planned, body, request_id, tracker)
+        except WholeRequestTimeout:
+            message = f"no complete answer within the request timeout ({self.request_timeout_s:g} s)"
+            record = tracker.finish(time.perf_counter(), Outcome.CLIENT_TIMEOUT, message)
+            self._fire("POST", planned.path, record.e2e_s, failure=BrokenStream(f"client_timeout: {message}"))
+        if record.http_status == 200:
+            self._report(planned.path, ttft_name, record)
+        return record, tracker.text
+
+    def _exchange(self, planned: PlannedRequest, body: dict, request_id: str, tracker: StreamTracker) -> RequestRecord:
+        """The request sent (again after a refusal, as ``--retries`` allows) and its answer read."""
         while True:
             with self.client.post(
                 planned.path,
@@ -206,8 +244,8 @@ class BaseStreamUser(HttpUser):
                         response.success()
                     else:
                         response.failure(f"{record.outcome.value}: {record.error}")
-                    break
-                time_left_s = sent_ts + self.request_timeout_s - time.perf_counter()
+                    return record
+                time_left_s = tracker.sent_ts + self.request_timeout_s - time.perf_counter()
                 retry_after = response.headers.get("Retry-After", "")
                 note = retry_after_note(retry_after) if self.retries else None
                 if note is not None and note not in tracker.notes:
@@ -216,22 +254,20 @@ class BaseStreamUser(HttpUser):
                 # Every refusal is a failed POST in Locust's table, a retried one too: the server refused it.
                 response.failure(f"rejected: HTTP {status}" + ("" if delay_s is None else " (sent again)"))
                 if delay_s is None:
-                    return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {status}"), ""
+                    return tracker.finish(time.perf_counter(), Outcome.REJECTED, f"HTTP {status}")
             gevent.sleep(delay_s)
             tracker.attempts += 1
-        self._report(planned.path, ttft_name, record)
-        return record, tracker.text
 
     def _read(self, response: requests.Response, tracker: StreamTracker) -> RequestRecord:
         try:
-            for chunk in response.iter_content(chunk_size=None):
+            for chunk in _reads(response):
                 tracker.feed(chunk, time.perf_counter())
                 if tracker.cut_reason is not None:  # the stream broke a bound: it is not read further
                     response.close()
                     return tracker.finish(time.perf_counter(), Outcome.BROKEN_STREAM, tracker.cut_reason)
-        except requests.exceptions.RequestException as error:
-            # requests re-raises a read timeout inside iter_content as a ConnectionError wrapping urllib3's error.
-            if isinstance(error, requests.exceptions.Timeout) or isinstance(
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as error:
+            # requests re-raises a read timeout as a ConnectionError wrapping urllib3's error.
+            if isinstance(error, (requests.exceptions.Timeout, ReadTimeoutError)) or isinstance(
                 error.args[0] if error.args else None, ReadTimeoutError
             ):
                 message = f"no data for the request timeout ({self.request_timeout_s:g} s)"

@@ -23,6 +23,7 @@ from loadgen.runner import run_event_loop, run_open_loop
 from loadgen.scripted_server import prioritize_timing, server_process
 from loadgen.workloads import PlannedRequest
 from tests.loadgen.conftest import child_env
+from tests.loadgen.test_locust import locust
 
 WELL_BEHAVED = [["stream", -1, 20]]
 REQUEST_TIMEOUT_S = 5.0
@@ -136,8 +137,10 @@ def hostile_scripts(draw) -> list:
         st.sampled_from(
             [
                 HEAD_200,
-                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabc",
-                "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {}\r\nContent-Length: 2\r\n\r\n{}",
+                # Connection: close wherever a response could end cleanly: the server closes every connection after
+                # its script, and a kept-alive one would carry the rest of the script into the next request's answer.
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nabc",
+                "HTTP/1.1 429 Too Many Requests\r\nRetry-After: {}\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
                 "HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\nshort",
                 "HTTP/1.1 999 ???\r\n\r\n",
                 "\x00\xff garbage\r\n\r\n",
@@ -185,3 +188,31 @@ def test_random_malformed_streams_each_end_as_exactly_one_record(hostile_server,
     assert lags[latest] < MAX_SEND_LAG_IN_PROCESS_S, f"request {latest} left {lags[latest]:.3f} s late"
     # Counted so that a run in which the client failed every stream (each then one record all the same) cannot pass.
     assert Counter(r.outcome for r in records)[Outcome.OK] >= len(plan) // 2
+
+
+def test_locust_users_end_every_request_against_the_hostile_server(hostile_server, tmp_path):
+    """Locust's users read with requests/urllib3 (their caps: 100 header lines, 64 KiB a line) through the same
+    tracker, under a whole-request timeout: each request one record, none held past the request timeout. Endless
+    trailers are left out: urllib3 reads chunked trailers to their end without yielding, which holds the whole
+    Locust process while a server sends them (docs/architecture.md says so)."""
+    modes = sorted(set(MODES) - {"endless_trailers"})
+    scripts = [script for mode in modes for script in (mode, WELL_BEHAVED)]
+    _set_scripts(hostile_server.base_url, scripts)
+    results = tmp_path / "results"
+    process = locust(
+        "--headless", "--model", "m", "--host", hostile_server.base_url, "--arrival", "constant:rate=10",
+        "--num-requests", "40", "--workload", "random", "--input-len", "fixed:8", "--output-len", "fixed:8",
+        "--stall-timeout", "2s", "--request-timeout", f"{REQUEST_TIMEOUT_S:g}s", "--retries", "1", "-u", "1",
+        "-r", "1", "-t", "60s", "--results-dir", str(results), cwd=tmp_path,
+    )  # fmt: skip
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode in (0, 1), output[-3000:]  # 1: the hostile answers are failures
+    assert "Traceback" not in output
+    run = RunResult.read(next(results.glob("locust-*.json")))
+    assert sorted(r.index for r in run.records) == list(range(40))
+    with urllib.request.urlopen(hostile_server.base_url + "/served", timeout=10) as response:
+        script_of = {entry["request_id"]: entry["script"] for entry in json.load(response)}
+    for record in run.records:
+        script = script_of[record.request_id]
+        assert (record.outcome is Outcome.OK) == (script == WELL_BEHAVED), (script, record.outcome, record.error)
+        assert record.e2e_s < REQUEST_TIMEOUT_S + 1.0, (script, record.e2e_s)
