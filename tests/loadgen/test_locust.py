@@ -399,3 +399,32 @@ def test_swarm_refuses_every_field_but_the_forms_and_applies_none_of_it(tmp_path
     assert {entry["prompt_tokens"] for entry in log.values()} == {8}
     assert "kvstorm-marker" not in json.dumps(log)
     assert not elsewhere.exists()
+
+
+def test_user_settings_take_only_what_the_ui_edits(tmp_path):
+    """Locust's /user sets any attribute of a user class: here it takes the UI's user settings (host, weight,
+    fixed_count, tasks) for a class that exists, typed, and refuses the rest with a 400 that changes nothing."""
+    web_port = free_port()
+    ui = f"http://127.0.0.1:{web_port}"
+    process = locust(
+        "--host", "http://127.0.0.1:9", "--model", "m", "--class-picker", "--web-host", "127.0.0.1",
+        "--web-port", str(web_port), cwd=tmp_path, env=web_ui_env(),
+    )  # fmt: skip
+    with running(process):
+        _wait_for(lambda: requests.get(ui, timeout=1).ok)
+        refused = [
+            ({"user_class_name": "StreamingUser", "wait_time": 5}, "/user may not set 'wait_time'"),
+            ({"user_class_name": "StreamingUser", "abstract": True}, "/user may not set 'abstract'"),
+            ({"user_class_name": "NoSuchUser", "weight": 1}, "user_class_name is one of"),
+            ({"user_class_name": "StreamingUser", "weight": "heavy"}, "weight must be a non-negative integer"),
+            ({"user_class_name": "StreamingUser", "tasks": [1]}, "tasks must be a list of task names"),
+            ([1, 2], "a JSON object"),
+        ]
+        for settings, message in refused:
+            answer = requests.post(f"{ui}/user", json=settings, timeout=5)
+            assert answer.status_code == 400, (settings, answer.text)
+            assert message in answer.json()["message"]
+        accepted = {"user_class_name": "StreamingUser", "weight": 3, "host": "http://127.0.0.1:9"}
+        assert requests.post(f"{ui}/user", json=accepted, timeout=5).status_code == 201
+        page = requests.get(ui, timeout=5).text
+    assert '"weight": 3' in page or '"weight":3' in page
