@@ -19,7 +19,7 @@ from engine.attention.selector import make_attention_backend
 from engine.core.block_hash import BlockHash, extend_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.config import EngineConfig
-from engine.core.interface import InvalidRequest, Prompt
+from engine.core.interface import InvalidRequest, Prompt, PromptTooLong
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import (
     PROBE_PROMPT_TOKENS,
@@ -414,7 +414,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("this model has no tokenizer; pass token ids")
-            prompt_ids = self.tokenizer.encode(prompt)
+            try:  # a text that cannot fit the context whatever its tokens is refused before it is tokenized
+                prompt_ids = self.tokenizer.encode(prompt, max_num_tokens=self.info.max_model_len)
+            except PromptTooLong as error:
+                context = self.info.max_model_len
+                raise InvalidRequest(f"prompt too long for the model's context of {context} tokens: {error}") from None
         else:
             prompt_ids = list(prompt)
         if not prompt_ids:

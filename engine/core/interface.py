@@ -26,10 +26,17 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class PromptTooLong(ValueError):
+    """A text the tokenizer refused without tokenizing it: its length alone makes more tokens than allowed."""
+
+
 class TextTokenizer(Protocol):
     """What the serving layer needs of a tokenizer: chat prompts in, token names out (for logprobs)."""
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], max_num_tokens: int | None = None) -> list[int]:
+        """``PromptTooLong`` (without tokenizing, where the tokenizer can tell from the text's length) if the prompt
+        would be more than ``max_num_tokens`` tokens; ``ValueError`` if the tokenizer has no chat template."""
+        ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.core.interface import PromptTooLong
 from engine.model.packed_linear import packing_applies
 from engine.model.registry import describe_dtype_choice, native_bfloat16_cpu_feature, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer
@@ -27,6 +28,42 @@ def test_chat_template_adds_the_assistant_header(real_tokenizer):
     text = real_tokenizer.decode(ids, skip_special_tokens=False)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert real_tokenizer.eos_token_ids == frozenset({2})
+
+
+TEXTS = [
+    "Hello, world! This is plain ASCII.",
+    "Emoji 🚀🔥 and accents: déjà vu, naïve. 日本語のテキスト",
+    "<|im_start|>user\nspecial tokens written as text<|im_end|>",
+    "\n" + " " * 80 + "x\t\t  \r\n" * 3,
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_ids_are_transformers_own(real_tokenizer, text):
+    hf = real_tokenizer.hf_tokenizer
+    assert real_tokenizer.encode(text) == hf.encode(text)
+    messages = [{"role": "user", "content": text}]
+    expected = hf.encode(hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)  # fmt: skip
+    assert real_tokenizer.apply_chat_template(messages) == expected
+
+
+def test_no_token_stands_for_more_bytes_than_the_length_bound_assumes(real_tokenizer):
+    longest = max(
+        len(real_tokenizer.decode([token_id], skip_special_tokens=False).encode())
+        for token_id in range(real_tokenizer.vocab_size)
+    )
+    assert real_tokenizer.max_bytes_per_token == longest == 81
+
+
+@pytest.mark.parametrize("text", [*TEXTS, ("\n" + " " * 80) * 50, "🚀" * 300])
+def test_a_text_is_refused_from_its_length_only_when_it_cannot_fit(real_tokenizer, text):
+    num_tokens = len(real_tokenizer.encode(text))
+    assert num_tokens >= len(text.encode()) / real_tokenizer.max_bytes_per_token
+    assert real_tokenizer.encode(text, max_num_tokens=num_tokens)  # fits exactly: never refused
+    floor = -(-len(text.encode()) // real_tokenizer.max_bytes_per_token)
+    with pytest.raises(PromptTooLong, match=f"{len(text.encode())} bytes of text are at least {floor} tokens"):
+        real_tokenizer.encode(text, max_num_tokens=floor - 1)
 
 
 def test_alias_resolves_to_the_bundled_gguf(real_source):
