@@ -18,12 +18,14 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from engine.core.fault_limits import FaultValues
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.protocol import ADMIN_ROUTES, ApiError, route_definitions
 
 logger = logging.getLogger(__name__)
 MAX_LEASE_S = 24 * 3600
 MAX_STEPS = 10_000  # one /admin/step call; its handler waits for them all
+FAULT_NAMES = (*FaultValues.names(), "freeze")  # the engine's faults and the serving loop's own
 
 
 async def run_off_loop(function, *args, **kwargs):
@@ -84,11 +86,15 @@ async def _fault_changes(request: web.Request) -> tuple[dict[str, object], float
     """The faults a body asks to change, and its lease (None: no lease); ``ApiError`` 400 for a malformed one."""
     try:
         changes = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ApiError(400, "the body must be a JSON object of faults") from None
     if not isinstance(changes, dict):
         raise ApiError(400, "the body must be a JSON object of faults")
     lease_s = changes.pop("lease_s", None)
+    # Names are checked before they become keyword arguments, where "self" or "function" would bind another one.
+    unknown = [name for name in changes if name not in FAULT_NAMES]
+    if unknown:
+        raise ApiError(400, f"unknown fault {unknown[0]!r}; faults: {', '.join(FAULT_NAMES)}, lease_s", unknown[0])
     if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
         raise ApiError(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
     return changes, lease_s
@@ -97,8 +103,9 @@ async def _fault_changes(request: web.Request) -> tuple[dict[str, object], float
 def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> list[web.RouteDef]:
     def authorized(handler):
         async def check(request: web.Request) -> web.StreamResponse:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            # The header's own bytes: aiohttp keeps those that are not UTF-8 as surrogates, which match no token.
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
                 raise ApiError(401, "admin routes need 'Authorization: Bearer <admin token>'", error_type="auth_error")
             return await handler(request)
 

@@ -5,6 +5,7 @@ A clear ends a delay that a step is sleeping in, instead of waiting behind it.""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -19,6 +20,8 @@ from tests.engine.serving.conftest import make_tiny_engine, metric_value, runnin
 
 TINY = "tiny"
 NAMES = [*EngineFaults.names(), "freeze", "lease_s"]
+# Names that a handler's own parameters have: as keyword arguments they would bind those.
+CLASHING = ["self", "function", "changes", "args", "kwargs"]
 HOSTILE = [1e10, math.inf, -math.inf, math.nan, -1, 2**64, 10**30, 5e-324, True, "1", [], {}, None, 0, 60, 61,
            {"fraction": math.nan}, {"fraction": math.inf}, {"blocks": -1}, {"blocks": 2**70}, {"blocks": True},
            {"fraction": 0.5, "blocks": 3}]  # fmt: skip
@@ -28,7 +31,7 @@ json_values = st.recursive(
     max_leaves=6,
 )
 bodies = st.dictionaries(
-    st.sampled_from(NAMES) | st.text(max_size=12), st.sampled_from(HOSTILE) | json_values, max_size=4
+    st.sampled_from(NAMES + CLASHING) | st.text(max_size=12), st.sampled_from(HOSTILE) | json_values, max_size=4
 ) | st.sampled_from([[], "freeze", 3, None])
 
 
@@ -66,6 +69,31 @@ def test_an_unbounded_freeze_is_refused(server, freeze):
     assert response.status_code == 400
     assert "freeze" in response.json()["error"]["message"]
     assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("name", CLASHING)
+def test_a_fault_named_like_a_parameter_is_a_400_naming_it(server, name, caplog):
+    with caplog.at_level(logging.ERROR):
+        response = requests.post(f"{server.url}/admin/faults", json={name: 1}, headers=server.admin_headers, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == name
+    assert error["message"].startswith(f"unknown fault {name!r}; faults: kv_cap, ")
+    assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+@pytest.mark.parametrize("route", [("GET", "/admin/stats"), ("POST", "/admin/faults"), ("POST", "/admin/pause")])
+def test_an_authorization_that_is_not_utf8_is_a_401(server, route, caplog):
+    method, path = route
+    with caplog.at_level(logging.ERROR):
+        # requests sends a header as Latin-1: these bytes are no UTF-8.
+        response = requests.request(method, f"{server.url}{path}", headers={"Authorization": "Bearer \xff\xfe"},
+                                    json={}, timeout=10)  # fmt: skip
+    assert response.status_code == 401, response.text
+    assert response.json()["error"]["type"] == "auth_error"
+    assert [record for record in caplog.records if record.levelno >= logging.ERROR] == []
+    exposition = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert metric_value(exposition, "kvstorm:rejected_requests_total", reason="internal_error") == 0
 
 
 def test_the_engine_serves_after_the_hostile_bodies(server):
