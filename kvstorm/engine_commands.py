@@ -204,14 +204,24 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "seconds to finish before the rest end with an error event (a second signal ends the wait)",
     )
     server.add_argument(
-        "--max-connections", type=int, default=1024, help="beyond this many open connections requests get 503"
+        "--max-connections",
+        type=int,
+        default=ServerConfig.max_connections,
+        help="beyond this many requests in progress a request gets 503 (idle connections do not count)",
+    )
+    server.add_argument(
+        "--max-connections-per-peer",
+        type=int,
+        default=ServerConfig.max_connections_per_peer,
+        help="open connections from one address, idle ones included; beyond it a new connection gets 503 and is "
+        "closed (raise it behind a proxy, or for a load generator on one host)",
     )
     server.add_argument(
         "--max-sequences-per-request",
         type=int,
         default=ServerConfig.max_sequences,
-        help="prompts x n of one completion request (more: a 400); each sequence shares the batch with everyone's, "
-        "and the default keeps one request from slowing another past 1.5x on a small CPU (kvstorm bench neighbours)",
+        help="prompts x n of one completion request (more: a 400; default OpenAI's bound on n); admission counts "
+        "each sequence as a request, so under load a request of many gets a 429",
     )
     server.add_argument(
         "--admin-token",
@@ -259,6 +269,7 @@ def run_serve(args: argparse.Namespace) -> int:
         admin_token=args.admin_token,
         strict_api=args.strict_api,
         max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer,
         max_sequences=args.max_sequences_per_request,
     )
     limits = admission_limits(args, max_buffered_outputs=args.max_buffered_outputs)

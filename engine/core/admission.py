@@ -227,15 +227,23 @@ class AdmissionController:
         arriving: Sequence[RemainingWork],
         new: NewRequest,
         now: float | None = None,
+        siblings: Sequence[NewRequest] = (),
     ) -> tuple[Decision, float]:
         """The decision for ``new`` and the uncorrected model's TTFT (what ``observe_first_token`` wants back);
-        the arguments are ``forecast``'s, and ``now`` the monotonic clock (Retry-After promises)."""
+        the arguments are ``forecast``'s, and ``now`` the monotonic clock (Retry-After promises).
+
+        ``siblings``: the other sequences of ``new``'s request (its other prompts and choices), decided with it,
+        all or none. They join the queue just ahead of it, so each counts against the limits as a request does and
+        the prediction is the one for the request's last sequence: ``n`` choices wait and slow the others as ``n``
+        requests would, and are refused as they would be."""
         limits = self.limits
         now = time.monotonic() if now is None else now
         first_attempt_ts = self._claim_promise(new.retry_key, now)
         honoured_retry = first_attempt_ts is not None
         if honoured_retry:
             new = dataclasses.replace(new, place_in_line_ts=first_attempt_ts)
+            siblings = [dataclasses.replace(sibling, place_in_line_ts=first_attempt_ts) for sibling in siblings]
+        arriving = [*arriving, *(sibling.work for sibling in siblings)]
         stats = snapshot.stats
         # Decodes after the first token matter only to a TPOT objective; a forecast without them ends sooner.
         tpot_decodes = 0 if limits.tpot_slo_s is None else TPOT_DECODES
@@ -255,7 +263,8 @@ class AdmissionController:
         num_waiting = stats.num_waiting + len(in_engine) + len(arriving)
         refusal = None
         if limits.max_waiting is not None and num_waiting >= limits.max_waiting:
-            message = f"{num_waiting} requests are waiting (limit {limits.max_waiting})"
+            with_siblings = f", {len(siblings)} of them this request's other sequences" if siblings else ""
+            message = f"{num_waiting} requests are waiting{with_siblings} (limit {limits.max_waiting})"
             refusal = _refusal("max_waiting", message, queue_s)
         elif limits.max_queue_delay_s is not None and queue_s > limits.max_queue_delay_s:
             message = f"predicted queue time {_seconds(queue_s)} exceeds the limit of {limits.max_queue_delay_s:g} s"

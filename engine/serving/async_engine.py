@@ -32,12 +32,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.core.admission import AdmissionController, AdmissionLimits, Decision, NewRequest
 from engine.core.fault_limits import parse_seconds
-from engine.core.interface import EngineClient, Prompt
+from engine.core.interface import EngineClient, InvalidRequest, Prompt
 from engine.core.outputs import (
     EngineSnapshot,
     FinishReason,
@@ -206,29 +206,45 @@ class AsyncEngine:
         retry_key: str | None = None,
         arrival_ts: float | None = None,
     ) -> RequestStream:
-        """Validate and queue; ``InvalidRequest`` if malformed or it can never fit, ``AdmissionRefused`` if overloaded.
-        ``retry_key``: the same for the same request sent again (admission keeps its Retry-After promises by it);
+        """Prepare (tokenize, validate) one request on the calling thread and queue it: ``submit_prepared`` of one.
         ``arrival_ts``: when the request reached the server (monotonic; default now), where its latencies start."""
         prepared = self.engine.prepare_request(prompt, params, request_id, arrival_ts)
+        return self.submit_prepared([prepared], retry_key)[0]
+
+    def submit_prepared(self, prepared: Sequence[PreparedRequest], retry_key: str | None = None) -> list[RequestStream]:
+        """Queue the sequences of one request (each made by ``EngineClient.prepare_request``), all or none, on the
+        event loop. One admission decision counts every sequence as a request: ``AdmissionRefused`` if overloaded,
+        ``InvalidRequest`` if more sequences than may ever wait at once, and then none was queued. Nothing in here
+        awaits, so a caller holds the streams of whatever was queued before it can be cancelled. ``retry_key``: the
+        same for the same request sent again (admission keeps its Retry-After promises by it)."""
+        max_waiting = self.limits.max_waiting
+        if max_waiting is not None and len(prepared) > max_waiting:
+            raise InvalidRequest(
+                f"{len(prepared)} sequences in one request, but at most {max_waiting} may wait at once "
+                "(--max-waiting): it could never be admitted",
+                "n",
+            )
+        sequences = [NewRequest(p.num_prompt_tokens, p.sampling_params.max_tokens, block_hashes=p.block_hashes)
+                     for p in prepared]  # fmt: skip
         started = time.perf_counter()
-        decision, model_ttft_s = self._decide(
-            NewRequest(prepared.num_prompt_tokens, params.max_tokens, retry_key, block_hashes=prepared.block_hashes)
-        )
+        decision, model_ttft_s = self._decide(dataclasses.replace(sequences[-1], retry_key=retry_key), sequences[:-1])
         self.metrics.observe_admission_decision(time.perf_counter() - started)
         if decision.honoured_retry:
             self.metrics.observe_retry(admitted=decision.refusal is None)
         if decision.refusal is not None:
             raise decision.refusal
         self.metrics.observe_admitted(decision.ttft_s)
-        stream = RequestStream(prepared, decision.first_attempt_ts)
-        stream.model_ttft_s, stream.predicted_ttft_s = model_ttft_s, decision.ttft_s
+        streams = [RequestStream(one, decision.first_attempt_ts) for one in prepared]
+        # The prediction is the last sequence's (the others are ahead of it): only its first token can judge it.
+        streams[-1].model_ttft_s, streams[-1].predicted_ttft_s = model_ttft_s, decision.ttft_s
         with self._cond:
             if not self._streams:
                 self.last_progress_ts = time.monotonic()  # the stall clock starts when work arrives
-            self._streams[request_id] = stream
-            self._inbox.append(("add", stream))
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+                self._inbox.append(("add", stream))
             self._cond.notify()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort in the next loop iteration (a no-op if the request has finished by then)."""
@@ -249,12 +265,12 @@ class AsyncEngine:
         refusal = self._decide(NewRequest(num_prompt_tokens=1, max_tokens=1))[0].refusal
         return [] if refusal is None else [str(refusal)]
 
-    def _decide(self, new: NewRequest) -> tuple[Decision, float]:
+    def _decide(self, new: NewRequest, siblings: Sequence[NewRequest] = ()) -> tuple[Decision, float]:
         with self._cond:
             snapshot, elapsed_s = self.snapshot, time.monotonic() - self.snapshot_ts
             in_engine = [stream.remaining_work for stream in self._adds_since_snapshot]
             arriving = [item.remaining_work for kind, item in self._inbox if kind == "add"]
-        return self.admission.decide(snapshot, elapsed_s, in_engine, arriving, new)
+        return self.admission.decide(snapshot, elapsed_s, in_engine, arriving, new, siblings=siblings)
 
     # ---- run-time control (admin) ---------------------------------------------------------------
 
@@ -275,7 +291,7 @@ class AsyncEngine:
         Returns every fault's value (``freeze``: the seconds left) and ``active``, the names of those on now (the
         engine's rule: what a harness shows as a fault window). Waits for the step in progress."""
         freeze = {"freeze": changes.pop("freeze")} if "freeze" in changes else {}
-        freeze_s = parse_seconds("freeze", freeze.get("freeze") or 0)
+        freeze_s = parse_seconds("freeze", 0 if freeze.get("freeze") is None else freeze["freeze"])
         with self._engine_lock:
             faults = self.engine.update_faults(**changes)
             self._publish(self.engine.snapshot())

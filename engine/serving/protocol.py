@@ -28,7 +28,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_SEED = 2**63 - 1
-MAX_CHOICES = 16  # n: choices per prompt
+MAX_CHOICES = 128  # n: choices per prompt (OpenAI's bound)
 NonEmptyString = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIds = Annotated[list[int], Field(min_length=1)]

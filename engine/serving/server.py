@@ -7,29 +7,34 @@ or an ``error`` event, and then ``data: [DONE]``.
 
 A client that goes away cancels its handler (the runner must be built with
 ``handler_cancellation=True``); the handler's ``finally`` aborts its requests, and
-their blocks are free after the engine's next loop iteration.
+their blocks are free after the engine's next loop iteration. Its reach covers the
+submission: prompts are tokenized on a thread pool (the event loop keeps answering
+meanwhile), then every sequence of a request is admitted and queued in one step that
+does not await, so no cancellation can fall between queueing a sequence and holding it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
 from engine.core.admission import AdmissionRefused
-from engine.core.interface import InvalidRequest
-from engine.core.outputs import RequestOutput
+from engine.core.interface import InvalidRequest, PromptTooLong
+from engine.core.outputs import PreparedRequest, RequestOutput
 from engine.core.sampling_params import SamplingParams
 from engine.serving.admin import add_admin_routes
 from engine.serving.async_engine import AsyncEngine, EngineFailure, RequestStream
+from engine.serving.connections import DRAINING, LIFECYCLE, Lifecycle, PeerConnections, gate_middleware
 from engine.serving.protocol import (
     MAX_SEED,
     ROUTES,
@@ -41,10 +46,10 @@ from engine.serving.protocol import (
     ModelList,
     ReadyResponse,
     Usage,
-    api_error_from_validation,
     openapi_document,
     route_definitions,
 )
+from engine.serving.request_body import ignored_header, read_body
 from engine.serving.streaming import (
     ChoiceAssembler,
     final_response,
@@ -55,18 +60,10 @@ from engine.serving.streaming import (
 )
 
 logger = logging.getLogger(__name__)
-IGNORED_FIELDS_HEADER = "X-Kvstorm-Ignored-Fields"
-# Unknown fields are dropped and named, within bounds: more or longer ones are a 400, and the set of names already
-# logged (so each is logged once) stops growing at its cap.
-MAX_UNKNOWN_FIELDS = 32
-MAX_UNKNOWN_FIELD_CHARS = 64
-MAX_LOGGED_FIELD_NAMES = 256
-_ignored_fields_logged: set[str] = set()
 ASYNC_ENGINE = web.AppKey("async_engine", AsyncEngine)
 SERVER_CONFIG = web.AppKey("server_config", "ServerConfig")
-LIFECYCLE = web.AppKey("lifecycle", "Lifecycle")
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})  # answered even when draining or at the connection cap
-DRAINING = "the server is shutting down: it finishes the streams in flight and takes no new request"
+# Tokenizing and validating prompts runs here, off the event loop: a megabyte of text takes a CPU second.
+TOKENIZING = web.AppKey("tokenizing", ThreadPoolExecutor)
 
 
 @dataclass(frozen=True)
@@ -83,12 +80,15 @@ class ServerConfig:
     # A connection that completes no request for this long is closed: an idle keep-alive one, or one still sending
     # its headers (aiohttp's default is an hour).
     keepalive_timeout_s: float = 15.0
-    # Beyond this many open connections a request gets 503 and its connection is closed (probes are still answered).
+    # Beyond this many requests in progress a request gets 503 and its connection is closed (probes are still
+    # answered); idle connections do not count (engine.serving.connections).
     max_connections: int = 1024
-    # prompts x n of one request: each sequence decodes in the same batch as everyone else's, so a request of k
-    # sequences slows its neighbours as k requests do; 2 keeps a neighbour within 1.5x of its latency alone on a
-    # 2-core CPU (docs/benchmarks.md, `kvstorm bench neighbours`), where 4 already costs it 1.7x.
-    max_sequences: int = 2
+    # Open connections from one address, idle ones included; past it a new one is answered 503 and closed. As many
+    # as the engine's default running batch (max_num_seqs); a proxy in front, or a load generator, raises it.
+    max_connections_per_peer: int = 256
+    # prompts x n of one request, OpenAI's bound on n. Each sequence decodes beside everyone's as a request does, so
+    # admission counts each one as a request (its forecast, --max-waiting): a request of many is refused under load.
+    max_sequences: int = 128
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -98,29 +98,21 @@ class ServerConfig:
         for name in ("write_timeout_s", "keepalive_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_connections", "max_sequences"):
+        for name in ("max_connections", "max_connections_per_peer", "max_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin_token must not be empty")
 
 
-@dataclass
-class Lifecycle:
-    """What the app knows of its listener: whether it drains (``drain``) and how many connections are open
-    (``start_server`` tells it how to count them)."""
-
-    is_draining: bool = False
-    count_connections: Callable[[], int] = field(default=lambda: 0)
-
-
 def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Application:
     """The app; it starts the engine loop on startup and stops it on shutdown."""
-    middlewares = [_error_middleware, _gate_middleware]
+    middlewares = [_error_middleware, gate_middleware]
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ASYNC_ENGINE] = async_engine
     app[SERVER_CONFIG] = config
-    app[LIFECYCLE] = Lifecycle()
+    app[LIFECYCLE] = Lifecycle(config.max_connections)
+    app[TOKENIZING] = ThreadPoolExecutor(thread_name_prefix="tokenize")
     document = openapi_document(include_admin=config.admin_token is not None)
 
     async def openapi(_: web.Request) -> web.Response:
@@ -145,10 +137,14 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
     async def stop_engine(app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, app[ASYNC_ENGINE].shutdown)
 
+    async def stop_tokenizing(app: web.Application) -> None:
+        app[TOKENIZING].shutdown(wait=False, cancel_futures=True)
+
     app.on_startup.append(start_engine)
     # On shutdown, not cleanup: the server waits for open handlers in between, and streams end only once the
     # engine has ended them.
     app.on_shutdown.append(stop_engine)
+    app.on_cleanup.append(stop_tokenizing)
     return app
 
 
@@ -185,6 +181,9 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         rejection = ApiError(error.status, error.text or error.reason, error_type=error_type, headers=headers)
     except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client went before its answer could go out: its doing, not the server's
+        request.app[ASYNC_ENGINE].metrics.observe_rejected("client_disconnected")
+        return web.Response(status=499, reason="Client Closed Request")  # for the access log: it reaches no one
     except Exception:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         rejection = ApiError(500, "internal server error", error_type="server_error")
@@ -196,89 +195,12 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     return response
 
 
-@web.middleware
-async def _gate_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Before a request is read: none but probes while draining or past the connection cap."""
-    if request.path in PROBE_PATHS:
-        return await handler(request)
-    lifecycle, config = request.app[LIFECYCLE], request.app[SERVER_CONFIG]
-    if lifecycle.is_draining:
-        raise ApiError(503, DRAINING, error_type="server_error", headers={"Retry-After": "5"}, reason="draining")
-    num_connections = lifecycle.count_connections()
-    if num_connections > config.max_connections:
-        message = f"{num_connections} connections are open, more than this server takes ({config.max_connections})"
-        raise ApiError(503, message, error_type="server_error", headers={"Retry-After": "1", "Connection": "close"},
-                       reason="connection_cap")  # fmt: skip
-    return await handler(request)
-
-
-async def _read_body(request: web.Request, model: type[BaseModel]) -> tuple[BaseModel, list[str]]:
-    """The validated body, and the unknown fields dropped from it (none with ``strict_api``: a 400 instead)."""
-    raw = await request.read()  # 413 (HTTPRequestEntityTooLarge) above client_max_size
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ApiError(400, f"request body is not valid UTF-8 ({error.reason} at byte {error.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ApiError(400, f"request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "request body is not valid JSON: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
-    ignored: list[str] = []
-    while True:
-        try:
-            return model.model_validate(data), ignored
-        except ValidationError as error:
-            unknown = [e["loc"] for e in error.errors() if e["type"] == "extra_forbidden"]
-            if request.app[SERVER_CONFIG].strict_api or not unknown:
-                raise api_error_from_validation(error) from None
-            _check_unknown_fields(unknown, len(ignored))
-            try:
-                ignored.extend(_drop(data, loc) for loc in unknown)
-            except (KeyError, IndexError, TypeError):  # a location inside a union's branch: refuse rather than guess
-                raise api_error_from_validation(error) from None
-        except RecursionError:
-            raise ApiError(400, "request body is nested too deeply") from None
-
-
-def _check_unknown_fields(unknown: Sequence[tuple], num_dropped: int) -> None:
-    if num_dropped + len(unknown) > MAX_UNKNOWN_FIELDS:
-        raise ApiError(400, f"more than {MAX_UNKNOWN_FIELDS} unknown fields; see GET /openapi.json for the known ones")
-    for loc in unknown:
-        name = str(loc[-1])
-        if len(name) > MAX_UNKNOWN_FIELD_CHARS:
-            raise ApiError(
-                400,
-                f"unknown field {name[:MAX_UNKNOWN_FIELD_CHARS]!r}... (name over {MAX_UNKNOWN_FIELD_CHARS} characters)",
-            )
-
-
-def _drop(data: dict, loc: tuple) -> str:
-    """Remove the field at ``loc`` and say its name (logged the first time it is seen)."""
-    holder = data
-    for part in loc[:-1]:
-        holder = holder[part]
-    del holder[loc[-1]]
-    name = ".".join(str(part) for part in loc if not isinstance(part, int))
-    if name not in _ignored_fields_logged and len(_ignored_fields_logged) < MAX_LOGGED_FIELD_NAMES:
-        _ignored_fields_logged.add(name)
-        logger.warning("ignoring the unknown request field %r (--strict-api refuses it)", name)
-    return name
-
-
-def _ignored_header(ignored: Sequence[str]) -> dict[str, str]:
-    return {IGNORED_FIELDS_HEADER: ",".join(dict.fromkeys(ignored))} if ignored else {}
-
-
 # ---- completions ----------------------------------------------------------------------------------
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     arrival_ts = time.monotonic()  # the server's TTFT counts from here, as a client's does: reading and tokenizing too
-    body, ignored = await _read_body(request, CompletionRequest)
+    body, ignored = await read_body(request, CompletionRequest, request.app[SERVER_CONFIG].strict_api)
     async_engine = _check_model_and_engine(request, body.model)
     try:
         params = body.sampling_params(default_max_tokens=16)
@@ -286,28 +208,40 @@ async def _completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, str(error)) from None
     prompts = body.prompts()
     _check_num_sequences(request, len(prompts), body.n)
-    choices = [prompt for prompt in prompts for _ in range(body.n)]
     params_list = _per_choice(params, len(prompts), body.n)
-    return await _generate(request, body, "cmpl", choices, params_list, async_engine, ignored, arrival_ts)
+    return await _generate(request, body, "cmpl", prompts, params_list, async_engine, ignored, arrival_ts)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     arrival_ts = time.monotonic()
-    body, ignored = await _read_body(request, ChatCompletionRequest)
+    body, ignored = await read_body(request, ChatCompletionRequest, request.app[SERVER_CONFIG].strict_api)
     async_engine = _check_model_and_engine(request, body.model)
-    tokenizer = async_engine.engine.tokenizer
-    if tokenizer is None:
+    if async_engine.engine.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions with token ids")
+    _check_num_sequences(request, 1, body.n)
+    prompt_ids, params = await _off_loop(request, _chat_prompt, async_engine, body)
+    params_list = _per_choice(params, 1, body.n)
+    return await _generate(request, body, "chatcmpl", [prompt_ids], params_list, async_engine, ignored, arrival_ts)
+
+
+def _chat_prompt(async_engine: AsyncEngine, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """Off the event loop: the conversation's token ids, and its sampling parameters (by default the rest of the
+    context is the reply's)."""
+    max_model_len = async_engine.engine.info.max_model_len
     try:
-        prompt_ids = tokenizer.apply_chat_template([m.template_message() for m in body.messages])
-        default_max_tokens = max(1, async_engine.engine.info.max_model_len - len(prompt_ids))
-        params = body.sampling_params(default_max_tokens)
+        messages = [m.template_message() for m in body.messages]
+        prompt_ids = async_engine.engine.tokenizer.apply_chat_template(messages, max_num_tokens=max_model_len)
+        return prompt_ids, body.sampling_params(max(1, max_model_len - len(prompt_ids)))
+    except PromptTooLong as error:
+        message = f"the conversation is too long for the model's context of {max_model_len} tokens: {error}"
+        raise ApiError(400, message, "messages") from None
     except ValueError as error:
         raise ApiError(400, str(error)) from None
-    _check_num_sequences(request, 1, body.n)
-    params_list = _per_choice(params, 1, body.n)
-    prompts = [prompt_ids] * body.n
-    return await _generate(request, body, "chatcmpl", prompts, params_list, async_engine, ignored, arrival_ts)
+
+
+async def _off_loop(request: web.Request, function, *args):
+    """``function(*args)`` on a tokenizing thread, so the event loop keeps serving (probes, other streams)."""
+    return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZING], functools.partial(function, *args))
 
 
 def _check_num_sequences(request: web.Request, num_prompts: int, n: int) -> None:
@@ -357,24 +291,31 @@ async def _generate(
     ignored: Sequence[str],
     arrival_ts: float,
 ) -> web.StreamResponse:
+    """Each prompt's ``n`` choices (``params_list`` in OpenAI's order), prepared off the event loop, admitted all or
+    none, then answered as JSON or SSE. Whatever ends this (the client going away cancels it at any await, the
+    submission's included) aborts every sequence it queued that has not finished: none is left decoding for no one."""
     response_id = f"{id_prefix}-{uuid.uuid4().hex[:24]}"
     retry_key = retry_key_of(request.remote, request.headers.get("Authorization"), body.model_dump_json())
-    streams = await _submit_all(async_engine, response_id, prompts, params_list, retry_key, arrival_ts)
     is_chat = isinstance(body, ChatCompletionRequest)
     created = int(time.time())
     model = request.app[SERVER_CONFIG].served_model_name
+    streams: list[RequestStream] = []
     try:
+        prepared = await _off_loop(request, _prepare_all, async_engine, response_id, prompts, body.n, params_list,
+                                   arrival_ts)  # fmt: skip
+        streams = _submit_all(async_engine, prepared, retry_key)  # no await between queueing and holding them
         # Decoded only now: the engine checked every token id of the prompts before it took them.
         echo = isinstance(body, CompletionRequest) and body.echo
         echoes = [_prompt_text(async_engine, prompt) if echo else "" for prompt in prompts]
-        assemblers = [ChoiceAssembler(async_engine.engine.tokenizer, is_chat, text) for text in echoes]
+        assemblers = [ChoiceAssembler(async_engine.engine.tokenizer, is_chat, text) for text in echoes
+                      for _ in range(body.n)]  # fmt: skip
         if body.stream:
             return await _stream(request, body, response_id, created, model, streams, assemblers, ignored)
         async for index, output in _merge(streams):
             assemblers[index].push(output)
         return web.json_response(
             final_response(body, response_id, created, model, assemblers).model_dump(exclude_none=False),
-            headers=_ignored_header(ignored),
+            headers=ignored_header(ignored),
         )
     except EngineFailure as failure:  # non-streaming: nothing sent yet, so a plain error response
         raise ApiError(500, str(failure), error_type="server_error") from None
@@ -392,36 +333,39 @@ def retry_key_of(remote: str | None, authorization: str | None, body_json: str) 
     return hashlib.sha256(identity.encode()).hexdigest()
 
 
-async def _submit_all(
+def _prepare_all(
     async_engine: AsyncEngine,
     response_id: str,
     prompts: Sequence[str | list[int]],
+    n: int,
     params_list: Sequence[SamplingParams],
-    retry_key: str,
     arrival_ts: float,
-) -> list[RequestStream]:
-    """All prompts or none: a refusal of one aborts those already queued. Each submission (tokenizing, the
-    admission forecast) is followed by a yield to the event loop, so many sequences in one request do not stall
-    other requests' streams and probes."""
-    streams: list[RequestStream] = []
+) -> list[PreparedRequest]:
+    """On a tokenizing thread: each prompt tokenized and validated once, and its ``n`` choices made from it (only
+    their ids and seeds differ); a 400 names the prompt at fault."""
+    prepared: list[PreparedRequest] = []
+    for index, prompt in enumerate(prompts):
+        first = index * n
+        try:
+            one = async_engine.engine.prepare_request(prompt, params_list[first], f"{response_id}-{first}", arrival_ts)
+        except InvalidRequest as error:
+            raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), error.param) from None
+        prepared += [replace(one, request_id=f"{response_id}-{i}", sampling_params=params_list[i])
+                     for i in range(first, first + n)]  # fmt: skip
+    return prepared
+
+
+def _submit_all(async_engine: AsyncEngine, prepared: Sequence[PreparedRequest], retry_key: str) -> list[RequestStream]:
+    """Every sequence of the request queued, or none (``AsyncEngine.submit_prepared``): a 429 with Retry-After when
+    admission refuses them, a 400 when they could never be admitted."""
     try:
-        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            request_id, request_retry_key = f"{response_id}-{index}", f"{retry_key}-{index}"
-            streams.append(async_engine.submit(prompt, params, request_id, request_retry_key, arrival_ts))
-            await asyncio.sleep(0)
-    except (InvalidRequest, AdmissionRefused) as error:
-        for stream in streams:
-            async_engine.abort(stream.request_id)
-        if isinstance(error, AdmissionRefused):
-            raise ApiError(
-                429,
-                str(error),
-                error_type="rate_limit_error",
-                headers={"Retry-After": str(error.retry_after_s)},
-                reason=error.reason,
-            ) from None
-        raise ApiError(400, f"prompt {index}: {error}" if len(prompts) > 1 else str(error), error.param) from None
-    return streams
+        return async_engine.submit_prepared(prepared, retry_key)
+    except AdmissionRefused as refusal:
+        retry_after = {"Retry-After": str(refusal.retry_after_s)}
+        error_type = "rate_limit_error"
+        raise ApiError(429, str(refusal), error_type=error_type, headers=retry_after, reason=refusal.reason) from None
+    except InvalidRequest as error:
+        raise ApiError(400, str(error), error.param) from None
 
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -473,11 +417,9 @@ async def _stream(
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Request-Id": ",".join(s.request_id for s in streams),
-            **_ignored_header(ignored),
+            **ignored_header(ignored),
         }
     )
-    await response.prepare(request)
-
     write_timeout_s = request.app[SERVER_CONFIG].write_timeout_s
 
     async def send(*payloads: dict | str) -> None:
@@ -489,6 +431,7 @@ async def _stream(
             raise ConnectionResetError(f"the client read nothing for {write_timeout_s:g} s") from None
 
     try:
+        await response.prepare(request)  # the headers: a client gone already makes this the first failed write
         try:
             await _send_chunks(send, body, response_id, created, model, streams, assemblers)
         except EngineFailure as failure:
@@ -601,6 +544,9 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[web.
     runner = web.AppRunner(app, handler_cancellation=True, keepalive_timeout=config.keepalive_timeout_s)
     await runner.setup()
     app[LIFECYCLE].count_connections = lambda: len(runner.server.connections)
+    metrics = app[ASYNC_ENGINE].metrics
+    peers = PeerConnections(config.max_connections_per_peer, lambda: metrics.observe_rejected("peer_connection_cap"))
+    peers.install(runner.server)
     await web.TCPSite(runner, host, port).start()
     return runner, runner.addresses[0][1]
 

@@ -160,6 +160,23 @@ def test_steps_that_failed_teach_the_model_nothing():
     assert controller.model.coefficients == before
 
 
+def test_a_request_of_n_sequences_is_forecast_and_refused_as_n_requests_would_be():
+    """A request's other sequences are decided with it, just ahead of it in line: sixteen choices wait as sixteen
+    requests arriving together would, so where one alone is admitted, the sixteen are refused, all at once."""
+    engine = make_tiny_engine(max_num_batched_tokens=256)
+    snapshot = _busy_snapshot(engine)
+    controller = AdmissionController(AdmissionLimits(ttft_slo_s=0.1), engine.info)
+    controller.model = StepTimeModel((0.01, 0.0, 0.0))
+    one = NewRequest(200, 10)
+    alone, alone_ttft_s = controller.decide(snapshot, 0.0, [], [], one)
+    assert alone.refusal is None
+    together, together_ttft_s = controller.decide(snapshot, 0.0, [], [], one, siblings=[one] * 15)
+    assert together_ttft_s == controller.decide(snapshot, 0.0, [], [one.work] * 15, one)[1]
+    assert together_ttft_s > 3 * alone_ttft_s
+    assert together.refusal is not None
+    assert together.refusal.reason == "ttft_slo"
+
+
 def test_a_predicted_tpot_over_its_objective_is_refused():
     engine = make_tiny_engine()
     snapshot = _busy_snapshot(engine)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine.serving.server import IGNORED_FIELDS_HEADER
+from engine.serving.request_body import IGNORED_FIELDS_HEADER
 from tests.engine.serving.conftest import make_engine, running_server
 
 MODEL = "smollm2-135m"
@@ -25,8 +25,7 @@ RECORDED = Path(__file__).parent / "recorded_client_requests.json"
 
 @pytest.fixture(scope="module")
 def server(real_model, real_tokenizer):
-    # n up to 3 over two prompts: above the default --max-sequences-per-request, which protects neighbours.
-    with running_server(make_engine(real_model, real_tokenizer), max_sequences=16) as running:
+    with running_server(make_engine(real_model, real_tokenizer)) as running:
         yield running
 
 

@@ -52,7 +52,7 @@ CASES = [
     (COMPLETIONS, completion(top_p=1.5), 400, "top_p", "less than or equal to 1"),
     (COMPLETIONS, completion(top_k=-3), 400, "top_k", "greater than or equal to 0"),
     (COMPLETIONS, completion(seed=-1), 400, "seed", "greater than or equal to 0"),
-    (COMPLETIONS, completion(n=17), 400, "n", "'n': Input should be less than or equal to 16"),
+    (COMPLETIONS, completion(n=129), 400, "n", "'n': Input should be less than or equal to 128"),
     (COMPLETIONS, completion(stream="yes"), 400, "stream", "valid boolean"),
     (COMPLETIONS, completion(ignore_eos=1), 400, "ignore_eos", "valid boolean"),
     (COMPLETIONS, completion(best_of=3), 400, None, "best_of (3) other than n (1) is not supported"),
@@ -84,6 +84,8 @@ CASES = [
     (COMPLETIONS, completion(prompt=[[1], []]), 400, "prompt", "'prompt.1': List should have at least 1 item"),
     (COMPLETIONS, completion(prompt=""), 400, "prompt", "at least one token"),
     (COMPLETIONS, completion(prompt=[1, 999_999]), 400, "prompt", "token ids must be integers in [0, 49152)"),
+    (COMPLETIONS, completion(prompt="a\ud800b"), 400, None, "not valid Unicode: a \\u escape writes half of"),
+    (CHAT, chat(messages=[{"role": "user", "content": "\udfff"}]), 400, None, "half of a surrogate pair"),
     (COMPLETIONS, completion(max_tokens=300), 400, "prompt", f"exceeds the model's context of {MAX_MODEL_LEN} tokens"),
     (
         COMPLETIONS,

@@ -1,5 +1,6 @@
 """The server's edges: a drain that lets the streams in flight finish while it refuses new work, connections that
-cannot be held open for free, and a cap on how many there are."""
+cannot be held open for free, a cap on requests in progress that idle connections cannot fill, and a cap on one
+address's connections."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 
 import requests
 
-from engine.serving.server import LIFECYCLE, drain
+from engine.serving.connections import LIFECYCLE
+from engine.serving.server import drain
 from tests.engine.serving.conftest import make_tiny_engine, metric_value, running_server, wait_until
 
 TINY = "tiny"
@@ -76,22 +78,65 @@ def test_a_connection_that_sends_no_whole_request_is_closed():
             assert time.monotonic() - started < 20  # a hang guard: aiohttp's default keeps it for an hour
 
 
-def test_past_the_connection_cap_a_request_gets_503_and_probes_still_answer():
+def open_idle(server, count: int) -> list[socket.socket]:
+    """``count`` connections that send nothing, each accepted by the server before the next opens."""
+    port = int(server.url.rsplit(":", 1)[1])
+    lifecycle = server.runner.app[LIFECYCLE]
+    before = lifecycle.count_connections()
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(count)]
+    wait_until(lambda: lifecycle.count_connections() >= before + count, f"{count} open connections")
+    return idle
+
+
+def test_idle_connections_lock_no_one_out_and_past_the_cap_on_requests_in_progress_a_request_gets_503():
+    body = {"model": TINY, "prompt": [1], "max_tokens": 1}
     with running_server(make_tiny_engine(), name=TINY, max_connections=3) as server:
-        port = int(server.url.rsplit(":", 1)[1])
-        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        idle = open_idle(server, 60)  # 20 times the cap, sending nothing
         try:
-            wait_until(lambda: server.runner.app[LIFECYCLE].count_connections() >= 3, "three open connections")
-            body = {"model": TINY, "prompt": [1], "max_tokens": 1}
+            assert requests.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
+            # Three streams in progress (each step 50 ms, 30 tokens): the cap is reached.
+            requests.post(f"{server.url}/admin/faults", json={"step_delay": 0.05}, headers=server.admin_headers)
+            results: list[dict] = []
+            clients = [threading.Thread(target=stream_one, args=(server.url, results)) for _ in range(3)]
+            for client in clients:
+                client.start()
+            wait_until(lambda: server.async_engine.num_in_flight == 3, "three streams in flight")
             refused = requests.post(f"{server.url}/v1/completions", json=body, timeout=10)
             assert refused.status_code == 503
-            assert "more than this server takes (3)" in refused.json()["error"]["message"]
+            assert "4 requests are in progress, more than this server takes at once (3" in refused.text
             assert refused.headers["Connection"] == "close"
             assert requests.get(f"{server.url}/health", timeout=10).status_code == 200
+            for client in clients:
+                client.join(60)
+            assert results == [{"done": True, "finish": "length", "errors": []}] * 3
+            assert requests.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
+        finally:
+            for connection in idle:
+                connection.close()
+        exposition = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert metric_value(exposition, "kvstorm:rejected_requests_total", reason="connection_cap") == 1
+
+
+def test_past_its_cap_a_peer_s_new_connection_gets_503_at_once_and_is_closed():
+    body = {"model": TINY, "prompt": [1], "max_tokens": 1}
+    with running_server(make_tiny_engine(), name=TINY, max_connections_per_peer=5) as server:
+        idle = open_idle(server, 5)
+        try:
+            port = int(server.url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sixth:
+                answer = b""
+                while chunk := sixth.recv(4096):  # answered before it sends a byte, then closed
+                    answer += chunk
+            head, _, payload = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503 ")
+            assert b"Retry-After: 1" in head
+            error = json.loads(payload)["error"]
+            assert "5 connections from 127.0.0.1 are open" in error["message"]
+            assert "--max-connections-per-peer" in error["message"]
         finally:
             for connection in idle:
                 connection.close()
         wait_until(lambda: server.runner.app[LIFECYCLE].count_connections() == 0, "the idle connections to go")
         assert requests.post(f"{server.url}/v1/completions", json=body, timeout=10).status_code == 200
         exposition = requests.get(f"{server.url}/metrics", timeout=10).text
-    assert metric_value(exposition, "kvstorm:rejected_requests_total", reason="connection_cap") == 1
+    assert metric_value(exposition, "kvstorm:rejected_requests_total", reason="peer_connection_cap") == 1

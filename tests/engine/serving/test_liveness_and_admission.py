@@ -125,6 +125,40 @@ def test_a_full_queue_is_refused_with_429_and_retry_after_before_any_stream_star
         assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="max_waiting") == 1
 
 
+def test_each_of_n_choices_waits_as_a_request_and_a_request_that_does_not_fit_leaves_none_queued():
+    with running_server(make_tiny_engine(), name=TINY, limits=AdmissionLimits(max_waiting=16)) as server:
+        requests.post(f"{server.url}/admin/pause", headers=server.admin_headers)
+        readers = [stream_in_background(server.url) for _ in range(4)]
+        wait_until(lambda: len(stats(server)["pending_adds"]) == 4, "four queued requests")
+        body = {"model": TINY, "prompt": [1], "max_tokens": 2, "stream": True}
+
+        refused = requests.post(f"{server.url}/v1/completions", json={**body, "n": 16}, timeout=30)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["Retry-After"]) >= 1
+        message = refused.json()["error"]["message"]
+        assert "19 requests are waiting, 15 of them this request's other sequences (limit 16)" in message
+        assert len(stats(server)["pending_adds"]) == 4  # none of the sixteen was queued, not even for a moment
+        assert server.async_engine.num_in_flight == 4
+
+        never = requests.post(f"{server.url}/v1/completions", json={**body, "n": 17}, timeout=30)
+        assert never.status_code == 400, never.text
+        assert "17 sequences in one request, but at most 16 may wait at once" in never.json()["error"]["message"]
+
+        fits = stream_in_background(server.url, n=12, max_tokens=2)  # 4 waiting + 12: at the limit, admitted
+        wait_until(lambda: len(stats(server)["pending_adds"]) == 16, "the twelve choices queued")
+        one_more = requests.post(f"{server.url}/v1/completions", json={**body, "n": 1}, timeout=30)
+        assert one_more.status_code == 429, one_more.text
+
+        requests.post(f"{server.url}/admin/resume", headers=server.admin_headers)
+        for reader, _ in [*readers, fits]:
+            reader.join(60)
+        assert sorted(finish_reasons(fits[1])) == ["length"] * 12
+        wait_until(lambda: server.async_engine.num_in_flight == 0, "every stream to end")
+        metrics = requests.get(f"{server.url}/metrics").text
+    assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="max_waiting") == 2
+    assert metric_value(metrics, "kvstorm:rejected_requests_total", reason="invalid_request") == 1
+
+
 def test_a_predicted_queue_time_over_the_limit_is_refused_with_429():
     limits = AdmissionLimits(max_queue_delay_s=1e-6)
     # A 64-token budget: the long prompt takes 8 steps, and a request behind it waits for them.
