@@ -50,10 +50,11 @@ def hostile_server():
         yield server
 
 
-# A wrapper that reports the process's peak resident memory as it exits, whatever way it exits.
+# A wrapper that reports the process's peak resident memory as it exits, whatever way it exits: /proc's VmHWM,
+# not getrusage's ru_maxrss, which Linux carries over exec from the forked copy of the parent (the test session).
 PEAK_RSS_WRAPPER = (
-    "import atexit, resource, sys; "
-    "peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+    "import atexit, re, sys; "
+    "peak = lambda: re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]; "
     "atexit.register(lambda: print('peak-rss-kb', peak(), file=sys.stderr)); "
     "from kvstorm.cli import main; sys.argv[0] = 'kvstorm'; main()"
 )

@@ -37,7 +37,11 @@ def _spawned_children(pid: int) -> set[int]:
     """Child processes of PID that multiprocessing spawned as workers (not its resource tracker)."""
     children = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:
+            task_children = (task / "children").read_text().split()
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
+        for child in task_children:
             try:
                 command = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             except FileNotFoundError:
