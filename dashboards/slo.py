@@ -163,11 +163,20 @@ def _le(threshold_s: float) -> str:
 
 FINISHED = Counter("vllm:request_success_total")
 ERRORS = Counter("vllm:request_success_total", "finished_reason", ("error",))
-# Refusals for load (admission control, an engine down or stalled), not for bad input.
+# Refusals for load (admission control, an engine down or stalled, the cap on requests in progress or on one
+# address's connections), not for bad input.
 REJECTED = Counter(
     "kvstorm:rejected_requests_total",
     "reason",
-    ("ttft_slo", "tpot_slo", "max_waiting", "max_queue_delay", "engine_unavailable"),
+    (
+        "ttft_slo",
+        "tpot_slo",
+        "max_waiting",
+        "max_queue_delay",
+        "engine_unavailable",
+        "connection_cap",
+        "peer_connection_cap",
+    ),
 )
 GUARDRAIL_WINDOW = "5m"
 # How long a guardrail must be crossed before its alert fires.
@@ -200,7 +209,8 @@ def _spec(
             objective=0.95,
             unit="percentunit",
             description="95% of requests admitted rather than refused for load before they start (kvstorm's "
-            "rejected requests: admission limits, an engine down or stalled; a server without that counter admits all)",
+            "rejected requests: admission limits, an engine down or stalled, a connection cap; a server without that "
+            "counter admits all)",
             good=Events((FINISHED,)),
             total=Events((FINISHED, REJECTED)),
         ),
