@@ -338,7 +338,7 @@ def _markdown(args, samples, result, faults, settled_s, failures) -> str:
     for index, s in enumerate(samples):
         if s.phase != "load" or index % every == 0 or index == len(samples) - 2:
             lines.append(
-                f"| {s.t_s:.0f} {'' if s.phase == 'load' else f'({s.phase})'} | {s.rss_mb:.0f} | {s.open_files} "
+                f"| {s.t_s:.0f}{'' if s.phase == 'load' else f' ({s.phase})'} | {s.rss_mb:.0f} | {s.open_files} "
                 f"| {s.threads} | {s.used_blocks} / {s.used_host_blocks} | {s.running} / {s.waiting} / {s.swapped} "
                 f"| {s.ok} / {s.rejected} / {s.broken} / {s.timed_out} | {s.faults} |"
             )
