@@ -22,6 +22,8 @@ from chaos.judgement.compare import Target, compare, parse_server, parse_target
 from chaos.judgement.verdict_view import STATUS_WORDS
 from chaos.run.runner import EXPERIMENTS_DIR, resolve_experiment, run_experiment_file
 from chaos.run.state import SLO_PROFILE_ENV
+from chaos.target_check import TargetCheck, check_target, measured_slo, write_check
+from chaos.target_check import __doc__ as CHECK_DOC
 from dashboards.slo import PROFILES
 from kvstorm.exposure import committed_token_refusal
 
@@ -32,6 +34,8 @@ PROMETHEUS_HELP = (
     "dashboards over the run, drawn from it"
 )
 DEMO_EXPERIMENT = "burst-with-vram-cap"
+# The calm requests `kvstorm chaos check` may send, one at a time.
+MAX_CALM_REQUESTS = 100
 # A KV pool a burst on this model fills: 88 blocks of 16 tokens (about 1,400 tokens, eight
 # requests of the experiment's shapes), and the experiment's 30% cap leaves 26 blocks.
 DEMO_POOL = ("--num-kv-blocks", "88", "--swap-space", "256MiB")
@@ -99,7 +103,77 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_compare_parser(chaos_subparsers)
     listing = chaos_subparsers.add_parser("list", help="the library of experiments, with what each reproduces")
     listing.set_defaults(handler=list_experiments)
+    _add_check_parser(chaos_subparsers)
     _add_controller_parser(chaos_subparsers)
+
+
+def _add_check_parser(chaos_subparsers: argparse._SubParsersAction) -> None:
+    check = chaos_subparsers.add_parser(
+        "check",
+        help="look at a server before anything is sent: what it exports, whether kvstorm's faults answer, which "
+        "experiments apply, and an SLO profile sized from a few calm requests",
+        description=CHECK_DOC,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    check.add_argument("--target", required=True, help="the server's base URL")
+    check.add_argument("--model", default=None, help="the model name (default: the first in its /v1/models)")
+    check.add_argument(
+        "--faults-url",
+        default=None,
+        help="where kvstorm's fault contract answers, if not at the target (kvstorm's plugin in a vLLM); the "
+        f"admin token comes from ${ADMIN_TOKEN_ENV}",
+    )
+    check.add_argument(
+        "--calm-requests", type=int, default=5, help="calm requests to size the SLO profile from (0: none)"
+    )
+    check.add_argument("--results-dir", type=Path, default=Path("chaos-results"), help="the profile goes to targets/")
+    check.set_defaults(handler=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Exit 0 with the check printed and written; 2 when the target does not answer as an OpenAI-compatible server."""
+    experiments = {path.stem: yaml.safe_load(path.read_text()) for path in sorted(EXPERIMENTS_DIR.glob("*.yaml"))}
+    if not 0 <= args.calm_requests <= MAX_CALM_REQUESTS:
+        print(f"kvstorm chaos check: --calm-requests must be in 0-{MAX_CALM_REQUESTS}", file=sys.stderr)
+        return 2
+    try:
+        check = check_target(
+            args.target,
+            args.model,
+            experiments,
+            faults_url=args.faults_url,
+            admin_token=os.environ.get(ADMIN_TOKEN_ENV),
+            calm_requests=args.calm_requests,
+        )
+    except RuntimeError as error:
+        print(f"kvstorm chaos check: {error}", file=sys.stderr)
+        return 2
+    path = write_check(check, args.results_dir)
+    print(check_markdown(check, path))
+    return 0
+
+
+def check_markdown(check: TargetCheck, path: Path) -> str:
+    facts = check.facts
+    lines = [f"## {facts.target_url}, model `{facts.model}`", "", "| exports | |", "|---|---|"]
+    lines += [f"| {what} | {'yes' if present else 'no'} |" for what, present in facts.exports.items()]
+    kv = "unknown" if facts.kv_tokens is None else f"{facts.kv_tokens:,} tokens"
+    lines += ["", f"KV cache: {kv}. Faults ({facts.faults.url}): {facts.faults.description}.", ""]
+    lines += ["| experiment | applies |", "|---|---|"]
+    lines += [f"| {name} | {'yes' if why is None else 'no: ' + why} |" for name, why in check.applicability.items()]
+    if check.calm is not None:
+        calm, thresholds = check.calm, {name: value["threshold"] for name, value in check.slo_overrides.items()}
+        lines += [
+            "",
+            f"Calm ({calm.num_requests} requests one at a time, 128 prompt and 64 output tokens): TTFT p50 "
+            f"{calm.ttft_p50_s * 1e3:.0f} ms (max {calm.ttft_max_s * 1e3:.0f}), TPOT p50 {calm.tpot_p50_s * 1e3:.1f} "
+            f"ms, E2E p50 {calm.e2e_p50_s:.2f} s. SLO profile sized from it: TTFT {thresholds['ttft']:g} s, ITL "
+            f"{thresholds['itl']:g} s, E2E {thresholds['e2e']:g} s, the {check.base_profile} profile's guardrails; "
+            f"`kvstorm chaos run ... --target {facts.target_url}` judges by it unless --slo-profile or --slo-file "
+            "names another.",
+        ]
+    lines += ["", f"Written: {path}"]
+    return "\n".join(lines)
 
 
 def _add_controller_parser(chaos_subparsers: argparse._SubParsersAction) -> None:
@@ -237,13 +311,20 @@ def run_chaos(args: argparse.Namespace) -> int:
     if args.model:
         variables["model"] = args.model
     on_event = _print_event if args.events else None
+    slo_profile, slo_file = args.slo_profile, args.slo_file
+    measured = None if slo_profile or slo_file or os.environ.get(SLO_PROFILE_ENV) or not args.target else (
+        measured_slo(args.results_dir, args.target)
+    )  # fmt: skip
+    if measured is not None:
+        slo_profile, slo_file = measured
+        print(f"SLO profile: sized by `kvstorm chaos check` of {args.target} ({slo_file})", file=sys.stderr)
     run = run_experiment_file(
         resolve_experiment(args.experiment),
         variables,
         args.results_dir,
         on_event=on_event,
-        slo_profile=args.slo_profile,
-        slo_file=args.slo_file,
+        slo_profile=slo_profile,
+        slo_file=slo_file,
         prometheus_url=args.prometheus_url,
     )
     _print_where(run.results_dir)

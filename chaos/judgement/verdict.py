@@ -152,7 +152,9 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
         restarts_s=list(state.restarts),
         storms=storms,
         slos=slos,
-        slo_profile=state.slo_profile,
+        slo_profile=state.slo_profile
+        if state.slo_file is None
+        else f"{state.slo_profile}, thresholds from {state.slo_file}",
         arrival=main.result.config.arrival if main is not None and main.result is not None else None,
         target_size=state.target_size,
     )
