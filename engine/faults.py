@@ -27,13 +27,11 @@ clear or a lease expiry is not stuck behind a long sleep.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.core.fault_limits import DELAY_SLICE_S, FaultValues
+from engine.core.fault_limits import FaultValues, sleep_while_wanted
 from engine.core.outputs import SchedulerOutput
 
 
@@ -50,18 +48,11 @@ class EngineFaults(FaultValues):
     def before_forward(self, output: SchedulerOutput) -> None:
         """The step's slowness, then its out-of-memory faults."""
         if self.step_delay:
-            _sleep_while_wanted(lambda: self.step_delay)
+            sleep_while_wanted(lambda: self.step_delay)
         failure = self.take_step_failure(output.num_batched_tokens)
         if failure is not None:
             raise torch.OutOfMemoryError(failure)
 
     def delay_block_moves(self, num_blocks: int) -> None:
         if self.swap_delay_per_block and num_blocks:
-            _sleep_while_wanted(lambda: self.block_moves_delay_s(num_blocks))
-
-
-def _sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
-    """Sleep until ``wanted_s()`` seconds have passed since the call, asking again every slice."""
-    start = time.monotonic()
-    while (left_s := wanted_s() - (time.monotonic() - start)) > 0:
-        time.sleep(min(left_s, DELAY_SLICE_S))
+            sleep_while_wanted(lambda: self.block_moves_delay_s(num_blocks))

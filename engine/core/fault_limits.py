@@ -1,10 +1,19 @@
 """The run-time faults' values (``FaultValues``: checked whole, bounded) and the bounds they stay within, so that none
 can overflow a sleep or a timer or wedge the engine loop: the engine's faults (``engine.faults``), the serving loop's
-freeze (``engine.serving.async_engine``) and the simulator (``engine.core.simulator``) share them."""
+freeze (``engine.serving.async_engine``) and the simulator (``engine.core.simulator``) share them.
+
+It is also the fault contract's one source beyond kvstorm: the vLLM plugin (``plugins/vllm``) ships this very file,
+so ``/admin/faults`` bodies (``parse_fault_request``), bounds and lease (``FaultLease``) are the same in both. It
+imports nothing of kvstorm at run time for that reason.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -15,6 +24,16 @@ MAX_DELAY_S = 60.0  # each delay fault, one block move's whole delay, and the fr
 DELAY_SLICE_S = 0.05  # a delay re-reads its fault this often, so a clear ends it within one slice
 MAX_COUNT = 10**9  # oom_above_batched_tokens, fail_next_steps
 MAX_MEMORY_HOG_BYTES = 2**40
+MAX_LEASE_S = 24 * 3600
+logger = logging.getLogger(__name__)
+
+
+def sleep_while_wanted(wanted_s: Callable[[], float]) -> None:
+    """Sleep until ``wanted_s()`` seconds have passed since the call, asking again every slice (a fault cleared from
+    another thread ends the sleep within ``DELAY_SLICE_S``)."""
+    start = time.monotonic()
+    while (left_s := wanted_s() - (time.monotonic() - start)) > 0:
+        time.sleep(min(left_s, DELAY_SLICE_S))
 
 
 def parse_seconds(name: str, value: object) -> float:
@@ -126,3 +145,69 @@ def _parse(name: str, value: object) -> object:
         or_null = " or null" if name == "oom_above_batched_tokens" else ""
         raise ValueError(f"{name} must be an integer in [0, {maximum}]{or_null}, got {value!r}")
     return value
+
+
+FAULT_NAMES = (*FaultValues.names(), "freeze")  # the engine's faults and the serving loop's own
+
+
+class FaultRequestError(ValueError):
+    """A ``POST /admin/faults`` body that is refused whole (a 400); ``param``: the name at fault, if one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_fault_request(body: object) -> tuple[dict[str, object], float | None]:
+    """A decoded ``POST /admin/faults`` body: the faults it asks to change (names checked, values not yet) and its
+    lease (None: no lease). Names are checked before anything uses them as keyword arguments, where "self" or
+    "function" would bind another one."""
+    if not isinstance(body, dict):
+        raise FaultRequestError("the body must be a JSON object of faults")
+    changes = dict(body)
+    lease_s = changes.pop("lease_s", None)
+    unknown = [name for name in changes if name not in FAULT_NAMES]
+    if unknown:
+        raise FaultRequestError(f"unknown fault {unknown[0]!r}; faults: {', '.join(FAULT_NAMES)}, lease_s", unknown[0])
+    if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
+        raise FaultRequestError(f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
+    return changes, lease_s
+
+
+class FaultLease:
+    """Clears every fault when the lease runs out; ``renew`` restarts it, ``cancel`` ends it. A harness that dies in
+    the middle of an experiment so leaves no fault behind."""
+
+    def __init__(self, clear_faults: Callable[[], object]) -> None:
+        self._clear_faults = clear_faults
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._expires_ts: float | None = None
+
+    def renew(self, lease_s: float) -> None:
+        with self._lock:
+            self._cancel_timer()
+            self._timer = threading.Timer(lease_s, self._expire)
+            self._timer.daemon = True
+            self._expires_ts = time.monotonic() + lease_s
+            self._timer.start()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancel_timer()
+
+    @property
+    def remaining_s(self) -> float | None:
+        expires = self._expires_ts
+        return None if expires is None else max(0.0, expires - time.monotonic())
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._expires_ts = None
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._timer = self._expires_ts = None
+        logger.warning("the fault lease ran out without renewal: clearing every fault")
+        self._clear_faults()

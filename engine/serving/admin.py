@@ -3,7 +3,8 @@
 The chaos harness drives these; they exist only when the server has an admin token.
 
 Faults set with ``"lease_s": N`` in the body are all cleared when N seconds pass without another call that renews
-the lease (``FaultLease``): a harness that dies in the middle of an experiment leaves no fault behind.
+the lease (``engine.core.fault_limits.FaultLease``): a harness that dies in the middle of an experiment leaves no
+fault behind.
 """
 
 from __future__ import annotations
@@ -11,64 +12,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import logging
-import threading
-import time
-from collections.abc import Callable
 
 from aiohttp import web
 
-from engine.core.fault_limits import FaultValues
+from engine.core.fault_limits import FaultLease, FaultRequestError, parse_fault_request
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.protocol import ADMIN_ROUTES, ApiError, route_definitions
 
-logger = logging.getLogger(__name__)
-MAX_LEASE_S = 24 * 3600
 MAX_STEPS = 10_000  # one /admin/step call; its handler waits for them all
-FAULT_NAMES = (*FaultValues.names(), "freeze")  # the engine's faults and the serving loop's own
 
 
 async def run_off_loop(function, *args, **kwargs):
     """What waits for the engine's step in progress (describing it, changing its faults) runs off the event loop."""
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args, **kwargs))
-
-
-class FaultLease:
-    """Clears every fault when the lease runs out; ``renew`` restarts it, ``cancel`` ends it."""
-
-    def __init__(self, clear_faults: Callable[[], object]) -> None:
-        self._clear_faults = clear_faults
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-        self._expires_ts: float | None = None
-
-    def renew(self, lease_s: float) -> None:
-        with self._lock:
-            self._cancel_timer()
-            self._timer = threading.Timer(lease_s, self._expire)
-            self._timer.daemon = True
-            self._expires_ts = time.monotonic() + lease_s
-            self._timer.start()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancel_timer()
-
-    @property
-    def remaining_s(self) -> float | None:
-        expires = self._expires_ts
-        return None if expires is None else max(0.0, expires - time.monotonic())
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._expires_ts = None
-
-    def _expire(self) -> None:
-        with self._lock:
-            self._timer = self._expires_ts = None
-        logger.warning("the fault lease ran out without renewal: clearing every fault")
-        self._clear_faults()
 
 
 def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str) -> None:
@@ -85,19 +41,13 @@ def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str
 async def _fault_changes(request: web.Request) -> tuple[dict[str, object], float | None]:
     """The faults a body asks to change, and its lease (None: no lease); ``ApiError`` 400 for a malformed one."""
     try:
-        changes = await request.json()
+        body = await request.json()
     except (ValueError, RecursionError):
         raise ApiError(400, "the body must be a JSON object of faults") from None
-    if not isinstance(changes, dict):
-        raise ApiError(400, "the body must be a JSON object of faults")
-    lease_s = changes.pop("lease_s", None)
-    # Names are checked before they become keyword arguments, where "self" or "function" would bind another one.
-    unknown = [name for name in changes if name not in FAULT_NAMES]
-    if unknown:
-        raise ApiError(400, f"unknown fault {unknown[0]!r}; faults: {', '.join(FAULT_NAMES)}, lease_s", unknown[0])
-    if lease_s is not None and (type(lease_s) not in (int, float) or not 0 < lease_s <= MAX_LEASE_S):
-        raise ApiError(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S}], got {lease_s!r}")
-    return changes, lease_s
+    try:
+        return parse_fault_request(body)
+    except FaultRequestError as error:
+        raise ApiError(400, str(error), error.param) from None
 
 
 def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> list[web.RouteDef]:
