@@ -1,0 +1,1 @@
+../../../engine/core/fault_limits.py
