@@ -229,6 +229,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"enables /admin/* behind this bearer token (default: ${ADMIN_TOKEN_ENV})",
     )
     server.add_argument(
+        "--admin-exit",
+        action="store_true",
+        help="POST /admin/exit (with the admin token) ends the process as SIGKILL or SIGTERM would, for a supervisor "
+        "that starts it again (compose's restart policy): how kill-and-restart kills a server it did not start",
+    )
+    server.add_argument(
         "--strict-api",
         action="store_true",
         help="refuse unknown request fields with a 400 (default: ignore them, as vLLM does, and name them in the "
@@ -262,11 +268,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
+    if args.admin_exit and not args.admin_token:
+        print(
+            f"kvstorm serve: --admin-exit needs an admin token (--admin-token or ${ADMIN_TOKEN_ENV})", file=sys.stderr
+        )
+        return 2
     config = ServerConfig(
         served_model_name=args.served_model_name or args.model,
         max_body_bytes=args.max_body_size,
         stall_timeout_s=args.stall_timeout,
         admin_token=args.admin_token,
+        admin_exit=args.admin_exit,
         strict_api=args.strict_api,
         max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer,

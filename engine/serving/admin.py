@@ -16,6 +16,7 @@ import hmac
 from aiohttp import web
 
 from engine.core.fault_limits import FaultLease, FaultRequestError, parse_fault_request
+from engine.serving.admin_exit import exit_handlers
 from engine.serving.async_engine import AsyncEngine
 from engine.serving.protocol import ADMIN_ROUTES, ApiError, route_definitions
 
@@ -27,10 +28,11 @@ async def run_off_loop(function, *args, **kwargs):
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(function, *args, **kwargs))
 
 
-def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str) -> None:
-    """The routes, and the fault lease, which ends with the app."""
+def add_admin_routes(app: web.Application, async_engine: AsyncEngine, token: str, obeys_exit: bool = False) -> None:
+    """The routes, and the fault lease, which ends with the app. ``obeys_exit``: ``POST /admin/exit`` ends the
+    process (``kvstorm serve --admin-exit``, engine.serving.admin_exit); else it is refused with a 403."""
     lease = FaultLease(async_engine.clear_faults)
-    app.add_routes(_admin_routes(async_engine, token, lease))
+    app.add_routes(_admin_routes(async_engine, token, lease, obeys_exit))
 
     async def end_lease(_: web.Application) -> None:
         lease.cancel()
@@ -50,7 +52,7 @@ async def _fault_changes(request: web.Request) -> tuple[dict[str, object], float
         raise ApiError(400, str(error), error.param) from None
 
 
-def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> list[web.RouteDef]:
+def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease, obeys_exit: bool) -> list[web.RouteDef]:
     def authorized(handler):
         async def check(request: web.Request) -> web.StreamResponse:
             # The header's own bytes: aiohttp keeps those that are not UTF-8 as surrogates, which match no token.
@@ -119,4 +121,5 @@ def _admin_routes(async_engine: AsyncEngine, token: str, lease: FaultLease) -> l
         "reset_prefix_cache": reset_prefix_cache,
     }
     handlers |= {"get_faults": get_faults, "set_faults": set_faults, "clear_faults": clear_faults}
+    handlers |= exit_handlers(obeys_exit)
     return route_definitions(ADMIN_ROUTES, {name: authorized(handler) for name, handler in handlers.items()})

@@ -452,6 +452,18 @@ def _admin(description: str) -> dict[str, Any]:
     }
 
 
+def _admin_exit() -> dict[str, Any]:
+    """POST /admin/exit answers 202 (then the process ends), not an admin route's 200."""
+    operation = _admin("")
+    del operation["responses"]["200"]
+    operation["responses"] |= {
+        "202": {"description": "Sent in full, then the process ends, for its supervisor to start it again"},
+        "400": {"description": 'A body other than {"signal": "SIGKILL"} (the default) or {"signal": "SIGTERM"}'},
+        "403": {"description": "The server was started without --admin-exit"},
+    }
+    return operation
+
+
 @dataclass(frozen=True)
 class Route:
     """One route of the server: the router registers the handler named ``name``, the OpenAPI document describes it
@@ -525,6 +537,8 @@ ADMIN_ROUTES = (
         "reset_prefix_cache",
         _admin("Forget every cached prefix, so that a benchmark starts cold (vLLM's /reset_prefix_cache)"),
     ),
+    Route("GET", "/admin/exit", "exit_state", _admin("Whether POST /admin/exit ends this server (--admin-exit)")),
+    Route("POST", "/admin/exit", "exit", _admin_exit()),
 )
 
 

@@ -73,6 +73,8 @@ class ServerConfig:
     stall_timeout_s: float = 30.0
     # /admin/* exists only with a token.
     admin_token: str | None = None
+    # POST /admin/exit ends the process, for a supervisor to start it again (kvstorm serve --admin-exit).
+    admin_exit: bool = False
     # Refuse unknown request fields (400) instead of ignoring them and naming them in IGNORED_FIELDS_HEADER.
     strict_api: bool = False
     # A stream whose client reads nothing for this long is closed (its requests abort): a write never waits forever.
@@ -103,6 +105,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.admin_token is not None and not self.admin_token:
             raise ValueError("admin_token must not be empty")
+        if self.admin_exit and self.admin_token is None:
+            raise ValueError("admin_exit needs an admin token: /admin/exit is an admin route")
 
 
 def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Application:
@@ -129,7 +133,7 @@ def create_app(async_engine: AsyncEngine, config: ServerConfig) -> web.Applicati
     }
     app.add_routes(route_definitions(ROUTES, handlers))
     if config.admin_token is not None:
-        add_admin_routes(app, async_engine, config.admin_token)
+        add_admin_routes(app, async_engine, config.admin_token, config.admin_exit)
 
     async def start_engine(app: web.Application) -> None:
         app[ASYNC_ENGINE].start(asyncio.get_running_loop())
