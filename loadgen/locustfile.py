@@ -35,6 +35,7 @@ default and asks for a login wherever it may be reached from another machine (``
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import time
 import uuid
@@ -58,6 +59,7 @@ from loadgen.plan import plan_run
 from loadgen.records import Outcome, RequestRecord
 from loadgen.report import write_report
 from loadgen.results import MAX_RETRIES, RunConfig
+from loadgen.served_model import NoServedModel, served_model
 from loadgen.sessions import Conversation, build_sessions
 from loadgen.shapes import make_shape
 from loadgen.spec import parse_duration, parse_spec
@@ -74,7 +76,12 @@ SHARED_SEED = 0
 @events.init_command_line_parser.add_listener
 def add_arguments(parser) -> None:
     group = parser.add_argument_group("kvstorm")
-    group.add_argument("--model", env_var="LOCUST_MODEL", default="default", help="model name the server expects")
+    group.add_argument(
+        "--model",
+        env_var="LOCUST_MODEL",
+        default=None,
+        help="model name the server expects (default: the first the host lists in /v1/models)",
+    )
     group.add_argument(
         "--workload",
         env_var="LOCUST_WORKLOAD",
@@ -178,6 +185,14 @@ class CutShort(Exception):
     """The SESSION sample of a conversation that a turn which did not end ok cut short."""
 
 
+def model_of(environment) -> str:
+    """--model, or the model the host serves (asked once per host: the web UI may change the host)."""
+    return environment.parsed_options.model or _served_model(environment.host or "")
+
+
+_served_model = functools.cache(served_model)
+
+
 class BaseStreamUser(HttpUser):
     """What every user class shares: one streamed request sent, checked and reported (:meth:`stream_request`)."""
 
@@ -186,7 +201,14 @@ class BaseStreamUser(HttpUser):
 
     def on_start(self) -> None:
         options = self.environment.parsed_options
-        self.model = options.model
+        try:
+            self.model = model_of(self.environment)
+        except NoServedModel as error:
+            # In the web UI's failures, not only in a worker's log; the user stops: it has nothing right to send.
+            self.environment.events.request.fire(
+                request_type="GET", name="/v1/models", response_time=0, response_length=0, exception=error, context={}
+            )
+            raise StopUser() from None
         self.exact_output = options.exact_output == "true"
         self.stall_timeout_s = parse_duration(options.stall_timeout)
         self.request_timeout_s = parse_duration(options.request_timeout)
@@ -457,7 +479,7 @@ def _open_loop_config(environment, num_shards: int = 1) -> RunConfig:
     options = environment.parsed_options
     return RunConfig(
         base_url=environment.host or "",
-        model=options.model,
+        model=model_of(environment),
         arrival=options.arrival,
         workload=options.workload,
         input_len=options.input_len,

@@ -76,6 +76,20 @@ def test_headless_run_reports_ttft_itl_e2e_and_bursts(tmp_path):
     check_stats(read_stats(tmp_path / "run"))
 
 
+def test_without_a_model_each_user_asks_the_host_and_one_that_lists_none_is_a_failure(tmp_path):
+    """No --model: a user asks the host's /v1/models (compose's stack, pointed at a URL alone). The scripted server
+    lists none: each user reports that as a failure in the stats and stops, sending nothing under a guessed name (a
+    real server's list: tests/test_compose.py's stack)."""
+    with scripted_server() as server:
+        process = locust(
+            "--headless", "--host", server.base_url, "-u", "2", "-t", "3s", "--csv", str(tmp_path / "run"), cwd=tmp_path
+        )
+        output, _ = process.communicate(timeout=60)
+    rows = read_rows(tmp_path / "run")
+    assert int(rows[("GET", "/v1/models")]["Failure Count"]) >= 2, output  # the shape spawns stopped users anew
+    assert not [row for row in rows if row[0] in ("POST", "TTFT")], "nothing sent"
+
+
 def test_distributed_master_and_worker(tmp_path):
     port = free_port()
     with scripted_server("--fault-plan", "mixed") as server:
