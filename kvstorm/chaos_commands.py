@@ -184,7 +184,9 @@ def _add_controller_parser(chaos_subparsers: argparse._SubParsersAction) -> None
         "beyond loopback, it refuses to start with a token committed in kvstorm.env.",
     )
     serve.add_argument("--target", required=True, help="the engine's base URL")
-    serve.add_argument("--model", default="smollm2-135m", help="the model name the engine serves")
+    serve.add_argument(
+        "--model", default=None, help="the model name the engine serves (default: the first in its /v1/models)"
+    )
     serve.add_argument(
         "--host",
         default="127.0.0.1",
@@ -209,11 +211,18 @@ def _add_controller_parser(chaos_subparsers: argparse._SubParsersAction) -> None
         default=None,
         help="where a run's files (workload jsonl:path=, arrival trace:path=) resolve; without it they are refused",
     )
-    serve.add_argument(
+    restart = serve.add_mutually_exclusive_group()
+    restart.add_argument(
         "--server-command",
         default=None,
         help="the command kill-and-restart starts, kills and restarts the target with (it must serve at --target); "
-        "without it that experiment is refused. Never taken from a request",
+        "without it or --supervised-target that experiment is refused. Never taken from a request",
+    )
+    restart.add_argument(
+        "--supervised-target",
+        action="store_true",
+        help="the target's supervisor restarts it (compose's restart policy, systemd): kill-and-restart asks it to "
+        "exit through its admin API (kvstorm serve --admin-exit) and times its return to ready",
     )
     serve.set_defaults(handler=run_controller)
 
@@ -360,6 +369,7 @@ def run_controller(args: argparse.Namespace) -> int:
         prometheus_url=args.prometheus_url,
         data_dir=args.data_dir,
         server_command=args.server_command,
+        supervised_target=args.supervised_target,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
     return 0

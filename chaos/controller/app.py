@@ -4,7 +4,9 @@ Everything but ``/health``, ``/metrics``, ``/docs`` and ``/openapi.json`` needs 
 token>``, checked before a body is read; a body is at most 64 KiB. The engine's admin token stays in the controller:
 a caller of ``PUT /faults`` never sees or sends it. A run's overrides are typed and bounded per parameter (``GET
 /experiments`` gives each schema); nothing a request carries is executed, resolved from the environment, or read as
-a path outside the operator's ``--data-dir``: the kill-and-restart command is the operator's ``--server-command``.
+a path outside the operator's ``--data-dir``: the kill-and-restart command is the operator's ``--server-command``
+(or none, with ``--supervised-target``: the target exits when asked through its admin API, and its supervisor
+starts it again).
 Ad-hoc faults carry the engine's lease, renewed while the controller runs (``LeaseKeeper``): a controller that dies
 leaves no fault behind for longer than ``lease_s``.
 """
@@ -28,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from chaos.controller.guard import MAX_BODY_BYTES, Guard
 from chaos.controller.metrics import ControllerMetrics
 from chaos.controller.parameters import ParameterRefused, describe
-from chaos.controller.runs import RunConflict, RunManager, RunStartFailed
+from chaos.controller.runs import RunConflict, RunManager, RunStartFailed, TargetUnanswered
 from chaos.injectors.engine_admin import AdminError, EngineAdmin, LeaseKeeper
 
 EVENT_POLL_S = 0.2
@@ -38,7 +40,8 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(
 @dataclass(frozen=True)
 class ControllerConfig:
     target_url: str
-    model: str
+    # None: the first model the target lists in /v1/models, asked at each run's start.
+    model: str | None
     admin_token: str
     controller_token: str
     results_dir: Path
@@ -50,6 +53,9 @@ class ControllerConfig:
     data_dir: Path | None = None
     # The command kill-and-restart starts (and kills) the target with: the operator's, never a request's.
     server_command: str | None = None
+    # Or: the target's supervisor restarts it (compose's restart policy), and kill-and-restart asks it to exit
+    # through its admin API (kvstorm serve --admin-exit; chaos.supervised_control).
+    supervised_target: bool = False
     max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
@@ -57,6 +63,15 @@ class ControllerConfig:
             raise ValueError("the controller needs the engine's admin token and a controller token of its own")
         if self.max_run_s <= 0 or self.lease_s <= 0:
             raise ValueError(f"max_run_s and lease_s must be > 0, got {self.max_run_s}, {self.lease_s}")
+        if self.server_command is not None and self.supervised_target:
+            raise ValueError("a target is started by the server command or restarted by its supervisor, not both")
+
+    @property
+    def operator_values(self) -> dict[str, str]:
+        """The operator's values of the experiments' operator parameters: no command for a supervised target."""
+        if self.supervised_target:
+            return {"server_command": ""}
+        return {} if self.server_command is None else {"server_command": self.server_command}
 
 
 class StartRun(BaseModel):
@@ -77,7 +92,7 @@ def create_app(config: ControllerConfig) -> FastAPI:
         config.max_run_s,
         config.prometheus_url,
         data_dir=config.data_dir,
-        operator_values={} if config.server_command is None else {"server_command": config.server_command},
+        operator_values=config.operator_values,
     )
     admin = EngineAdmin(config.target_url, config.admin_token)
     ad_hoc: dict[str, LeaseKeeper] = {}
@@ -163,6 +178,8 @@ def _run_routes(runs: RunManager) -> APIRouter:
             raise HTTPException(409, str(error)) from None
         except RunStartFailed as error:
             raise HTTPException(500, str(error)) from None
+        except TargetUnanswered as error:
+            raise HTTPException(502, str(error)) from None
         return run.summary()
 
     @router.get("/runs")

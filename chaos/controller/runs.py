@@ -31,6 +31,7 @@ from chaos.controller.metrics import ControllerMetrics
 from chaos.controller.parameters import OPERATOR_PARAMETERS, SCHEMAS, ParameterRefused, check_overrides
 from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.run.runner import EXPERIMENTS_DIR
+from loadgen.served_model import NoServedModel, served_model
 
 STOP_GRACE_S = 60.0
 
@@ -41,6 +42,10 @@ class RunConflict(Exception):
 
 class RunStartFailed(Exception):
     """The run's folder or its child process could not be made; the run is recorded as ``error``, the slot free."""
+
+
+class TargetUnanswered(Exception):
+    """The target did not say which model it serves (no ``--model`` was given); nothing started."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ class RunManager:
     def __init__(
         self,
         target_url: str,
-        model: str,
+        model: str | None,
         admin_token: str,
         results_dir: Path,
         metrics: ControllerMetrics,
@@ -122,7 +127,9 @@ class RunManager:
         data_dir: Path | None = None,
         operator_values: Mapping[str, str] | None = None,
     ) -> None:
-        """``data_dir``: where file parameters (``jsonl:path=``, ``trace:path=``) may resolve; None refuses them.
+        """``model``: None asks the target at each run's start (the first of its ``/v1/models``), so a stack
+        pointed at a server by its URL alone follows it. ``data_dir``: where file parameters (``jsonl:path=``,
+        ``trace:path=``) may resolve; None refuses them.
         ``operator_values``: the operator's values of ``OPERATOR_PARAMETERS`` (the kill-and-restart server command);
         an experiment that needs one the operator did not give is refused."""
         self.target_url = target_url
@@ -142,11 +149,13 @@ class RunManager:
 
     def start(self, name: str, overrides: Mapping[str, Any]) -> Run:
         """``KeyError`` for an unknown experiment, ``ParameterRefused`` for a value a request may not give,
-        ``RunConflict`` while another run is active: nothing starts in those cases. ``RunStartFailed`` when its
-        folder or process cannot be made: the run is recorded as failed and the slot is free again."""
+        ``RunConflict`` while another run is active, ``TargetUnanswered`` when the target names no model: nothing
+        starts in those cases. ``RunStartFailed`` when its folder or process cannot be made: the run is recorded as
+        failed and the slot is free again."""
         experiment = self.library[name]
         variables = check_overrides(name, experiment.parameters, overrides, self.data_dir)
         variables.update(self._operator_values(experiment))
+        model = self._model()
         with self._lock:
             if any(run.is_active for run in self.runs.values()):
                 raise RunConflict("another run is active: stop it (DELETE /runs/{id}) or wait for its verdict")
@@ -154,7 +163,7 @@ class RunManager:
             run = Run(run_id, name, dict(overrides), self.results_dir / run_id)
             self.runs[run_id] = run
         try:
-            self._spawn(run, experiment, variables)
+            self._spawn(run, experiment, variables, model)
         except Exception as error:
             # Whatever failed (mkdir, open, Popen), the run must end, or every later POST /runs is a 409.
             self._end(run, "error", error=f"the run did not start: {type(error).__name__}: {error}")
@@ -175,11 +184,19 @@ class RunManager:
             values[key] = value
         return values
 
-    def _spawn(self, run: Run, experiment: Experiment, variables: Mapping[str, Any]) -> None:
+    def _model(self) -> str:
+        if self.model is not None:
+            return self.model
+        try:
+            return served_model(self.target_url)
+        except NoServedModel as error:
+            raise TargetUnanswered(f"the target did not say which model it serves ({error}): give --model") from None
+
+    def _spawn(self, run: Run, experiment: Experiment, variables: Mapping[str, Any], model: str) -> None:
         run.results_dir.mkdir(parents=True, exist_ok=True)
         command = [
             sys.executable, "-m", "kvstorm", "chaos", "run", str(experiment.path), "--events",
-            "--target", self.target_url, "--model", self.model, "--results-dir", str(run.results_dir),
+            "--target", self.target_url, "--model", model, "--results-dir", str(run.results_dir),
             *variable_args(variables),
             *(["--prometheus-url", self.prometheus_url] if self.prometheus_url else []),
         ]  # fmt: skip

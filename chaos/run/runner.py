@@ -131,6 +131,8 @@ def run_experiment_file(
         exit_code=verdict.exit_code,
         results_dir=str(results_dir),
         fault_windows=[window.model_dump() for window in verdict.fault_windows],
+        # kill-and-restart's: seconds from each restart to ready, for the controller's callers to read.
+        restarts_s=verdict.restarts_s,
         # None when every file was written; else what failed, so a follower hears the verdict and why a file is missing.
         write_error=write_error,
     )

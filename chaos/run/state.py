@@ -19,6 +19,7 @@ from chaos.injectors.disconnects import StormReport
 from chaos.injectors.engine_admin import LeaseKeeper
 from chaos.injectors.processes import ManagedServer
 from chaos.injectors.proxy import FaultProxy
+from chaos.injectors.supervised import SupervisedServer
 from chaos.run.metrics import KVOccupancy, MetricsSample
 from loadgen.counters import RunCounters
 from loadgen.results import FaultWindow, RunResult
@@ -59,7 +60,9 @@ class RunState:
     baseline_occupancy: KVOccupancy | None = None
     proxies: dict[str, FaultProxy] = field(default_factory=dict)
     storms: list[StormReport] = field(default_factory=list)
-    managed_server: ManagedServer | None = None
+    # The server kill-and-restart kills: one it started itself, or one a supervisor restarts (chaos.controls and
+    # chaos.supervised_control).
+    managed_server: ManagedServer | SupervisedServer | None = None
     # Why the server cannot take this experiment (chaos.judgement.applicability), when the kvstorm control stopped it.
     not_applicable: str | None = None
     # Per server with engine faults set: the thread that renews their lease.
