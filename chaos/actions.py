@@ -1,8 +1,9 @@
 """Chaos Toolkit actions of the kvstorm extension (``provider: {type: python, module: chaos.actions, func: ...}``).
 
 Each returns something JSON-able for the journal and records what it did (loads, fault windows) in the run's state
-(``chaos.run.state``) for the probes and the verdict. Engine faults need kvstorm's admin token in
-``$KVSTORM_ADMIN_TOKEN``; the rest works against any OpenAI-compatible server.
+(``chaos.run.state``) for the probes and the verdict. Engine faults need kvstorm's fault contract (kvstorm's own
+server, or kvstorm's plugin in a vLLM at ``faults_url``) and its admin token in ``$KVSTORM_ADMIN_TOKEN``; the rest
+works against any OpenAI-compatible server.
 
 - ``measure_target``: the server's capacity and KV size (``chaos.run.sizing``), for the loads sized from them;
 - ``run_load``: the load generator, to the end of the load (declare it ``background: true`` so the faults that
@@ -125,16 +126,21 @@ def _measured() -> TargetSize:
     return size
 
 
-def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 30.0) -> dict[str, Any]:
+def set_engine_faults(
+    target_url: str, faults: dict[str, Any], lease_s: float = 30.0, faults_url: str = ""
+) -> dict[str, Any]:
     """Change engine faults under a lease this process renews while it runs
     (``chaos.injectors.engine_admin.LeaseKeeper``): the rollbacks clear the faults, and if this process dies the
-    engine clears them ``lease_s`` later. ``freeze`` gets its window from its own duration. Which faults are on is
-    the server's word (its ``active``), not a rule of the harness's own."""
-    admin = EngineAdmin(target_url)
+    engine clears them ``lease_s`` later. ``faults_url``: where the server's fault contract is when not at the
+    target's own URL (kvstorm's plugin in a vLLM serves it on a port of its own); empty: the target's. ``freeze``
+    gets its window from its own duration. Which faults are on is the server's word (its ``active``), not a rule of
+    the harness's own."""
+    url = faults_url or target_url
+    admin = EngineAdmin(url)
     values = admin.set_faults(faults, lease_s=lease_s)
     state, now = current(), time.time()
-    if target_url not in state.lease_keepers:
-        state.lease_keepers[target_url] = LeaseKeeper(admin, lease_s)
+    if url not in state.lease_keepers:
+        state.lease_keepers[url] = LeaseKeeper(admin, lease_s)
     for name in faults:
         window = f"engine:{name}"
         if name in values["active"]:
@@ -146,12 +152,14 @@ def set_engine_faults(target_url: str, faults: dict[str, Any], lease_s: float = 
     return values
 
 
-def clear_engine_faults(target_url: str) -> dict[str, Any]:
+def clear_engine_faults(target_url: str, faults_url: str = "") -> dict[str, Any]:
+    """Every engine fault off (``faults_url`` as in ``set_engine_faults``), and the lease no longer renewed."""
+    url = faults_url or target_url
     state = current()
-    keeper = state.lease_keepers.pop(target_url, None)
+    keeper = state.lease_keepers.pop(url, None)
     if keeper is not None:
         keeper.stop()
-    values = EngineAdmin(target_url).clear_faults()
+    values = EngineAdmin(url).clear_faults()
     now = time.time()
     for window in list(state.open_faults):
         if window.startswith("engine:"):

@@ -7,9 +7,9 @@
 It does three things:
 
 - **An experiment the server cannot take stops before it starts.** One that injects engine faults needs kvstorm's
-  ``/admin/faults``; against a server without it the run is interrupted before the baseline, and the journal
-  carries the reason (``kvstorm_not_applicable``), which the verdict reports as NOT APPLICABLE
-  (``chaos.judgement.applicability``).
+  ``/admin/faults`` (at ``faults_url`` when it is set), with the faults it sets; against a server without them the
+  run is interrupted before the baseline, and the journal carries the reason (``kvstorm_not_applicable``), which
+  the verdict reports as NOT APPLICABLE (``chaos.judgement.applicability``).
 
 - **A baseline miss fails the run.** chaostoolkit-lib records a steady state missed before the method as status
   "completed", not deviated, and the stock ``chaos run`` then exits 0 although nothing was injected. After the
@@ -42,13 +42,14 @@ logger = logging.getLogger("chaostoolkit")
 def before_experiment_control(
     context: Any, command: str = "", ready_url: str = "", log_path: str = "", configuration: Any = None, **_: Any
 ) -> None:
-    """``context``: the experiment; ``configuration``: its values (``target_url``)."""
+    """``context``: the experiment; ``configuration``: its values (``target_url``, and ``faults_url`` where its
+    fault contract is elsewhere: kvstorm's plugin in a vLLM)."""
     if command:
         server = ManagedServer(command, ready_url, Path(log_path) if log_path else None)
         server.start()
         current().managed_server = server
-    target_url = (configuration or {}).get("target_url")
-    problem = inapplicability(context, target_url) if isinstance(context, dict) and target_url else None
+    target_url, faults_url = ((configuration or {}).get(key) for key in ("target_url", "faults_url"))
+    problem = inapplicability(context, target_url, faults_url) if isinstance(context, dict) and target_url else None
     if problem is not None:
         current().not_applicable = problem
         raise InterruptExecution(problem)

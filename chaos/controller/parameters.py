@@ -33,8 +33,10 @@ from loadgen.spec import Spec, parse_spec
 from loadgen.traces import TRACE_FORMATS
 from loadgen.workloads import sample_lengths
 
-# Set by the controller from its own configuration, never by a caller: the run is against the controller's target.
-RESERVED_PARAMETERS = ("target_url", "model")
+# Set by the controller from its own configuration, never by a caller: the run is against the controller's target,
+# and the admin token goes to the fault contract of the controller's environment only ($KVSTORM_FAULTS_URL), never
+# to a URL a request names.
+RESERVED_PARAMETERS = ("target_url", "model", "faults_url")
 # Given only by the operator (``kvstorm chaos serve --server-command``): a command the run would execute.
 OPERATOR_PARAMETERS = {"server_command": "--server-command"}
 

@@ -106,6 +106,7 @@ def test_a_command_or_a_value_from_the_environment_is_refused_and_runs_nothing(p
     refused(post_run(url, arrival=["poisson:rate=1"]), "arrival", "no object")
     refused(post_run(url, arrival="poisson:rate=${server_command}"), "arrival")
     refused(post_run(url, target_url="http://elsewhere"), "target_url", "reserved")
+    refused(post_run(url, faults_url="http://elsewhere"), "faults_url", "reserved")  # where the admin token would go
     time.sleep(1.0)  # what a started child would have had time to do
     assert not marker.exists()
     assert_nothing_ran(url, workdir / "results")
