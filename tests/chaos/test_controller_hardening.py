@@ -41,7 +41,7 @@ def controller(workdir: Path, results_dir: Path, *options: str) -> Iterator[str]
     url = f"http://127.0.0.1:{port}"
     # A target nobody serves: every request here is refused or fails before a run would reach it.
     command = ["kvstorm", "chaos", "serve", "--target", f"http://127.0.0.1:{free_port()}", "--port", str(port),
-               "--results-dir", str(results_dir), "--max-run-s", "60", *options]  # fmt: skip
+               "--model", "unused", "--results-dir", str(results_dir), "--max-run-s", "60", *options]  # fmt: skip
     env = {"KVSTORM_CHAOS_TOKEN": TOKEN, "KVSTORM_ADMIN_TOKEN": "engine-token-not-used-here"}
     process = ManagedServer(command, f"{url}/health", workdir / "controller.log", env=env)
     process.start()

@@ -100,7 +100,8 @@ def test_every_hostile_mode_ends_as_one_record_with_its_reason_while_neighbours_
             assert record.attempts == 3
             assert "is neither delay-seconds nor an HTTP date" in record.notes[0]
     slow = [r for r in run.records if scripts[r.index % len(scripts)] == "slow_header_trickle"]
-    assert all(REQUEST_TIMEOUT_S <= r.e2e_s < REQUEST_TIMEOUT_S + 1.0 for r in slow), [r.e2e_s for r in slow]
+    # The timeout's clock starts a moment before the record's: a few milliseconds either side of it.
+    assert all(REQUEST_TIMEOUT_S - 0.05 <= r.e2e_s < REQUEST_TIMEOUT_S + 1.0 for r in slow), [r.e2e_s for r in slow]
     send_lag_s = [r.sent_s - r.scheduled_s for r in run.records]
     assert max(send_lag_s) < MAX_SEND_LAG_S, f"the schedule slipped by {max(send_lag_s):.3f} s"
     assert peak_rss_mb < MAX_CLIENT_RSS_MB, f"the client peaked at {peak_rss_mb:.0f} MB"
