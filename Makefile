@@ -62,8 +62,9 @@ container-tools:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io docker-compose debootstrap >/dev/null; } || \
 	  { echo "compose-check needs root with dockerd, docker-compose and debootstrap (Debian: docker.io docker-compose debootstrap)"; exit 1; }
 
-# compose.yaml for real (CI's own step): the image built, the stack up in a Docker engine of the test's own, a burst
-# and an experiment through it, all torn down (tests/test_compose_up.py). About ten minutes.
+# compose.yaml for real (CI's own step): the image built, the stack up in a Docker engine of the test's own, a burst,
+# an experiment and kill-and-restart through it; then the stack pointed at a server outside it (compose.target.yaml);
+# all torn down (tests/test_compose_up.py). About seven minutes.
 compose-check: setup container-tools
 	$(BIN)/python -m pytest -m containers -s -v tests/test_compose_up.py
 

@@ -27,7 +27,8 @@ from dashboards.slo import Slo
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROMTOOL_TESTS = sorted((PACKAGE_DIR / "promtool").glob("alerts-test*.yml"))
 GENERATED_DIR = PACKAGE_DIR / "generated"
-COMPOSE_ENGINE_TARGETS = ("engine:8000",)
+# Compose's engine: the file dashboards.scrape_target writes from the stack's target URL (compose.yaml mounts it).
+COMPOSE_ENGINE_TARGETS = Path("/prometheus-targets/engine.json")
 COMPOSE_CONTROLLER_TARGETS = ("chaos:8090",)
 COMPOSE_PROMETHEUS_URL = "http://prometheus:9090"
 GRAFANA_DASHBOARDS_PATH = "/var/lib/grafana/dashboards"
@@ -40,7 +41,7 @@ def boards(slos: Sequence[Slo]) -> list[Board]:
 def build_all(
     out: Path,
     slos: Sequence[Slo],
-    engine_targets: Sequence[str] = COMPOSE_ENGINE_TARGETS,
+    engine_targets: Sequence[str] | Path = COMPOSE_ENGINE_TARGETS,
     controller_targets: Sequence[str] = COMPOSE_CONTROLLER_TARGETS,
     prometheus_url: str = COMPOSE_PROMETHEUS_URL,
     scrape_interval: str = "5s",

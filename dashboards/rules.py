@@ -11,6 +11,7 @@ engine that stopped stepping with work to do, KV held by an engine with no reque
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -133,13 +134,21 @@ ENGINE_ALERTS: list[dict[str, Any]] = [
 ]
 
 
-def scrape_config(engine_targets: Sequence[str], controller_targets: Sequence[str], interval: str = "5s") -> dict:
-    """``prometheus.yml``: the engine(s) and the chaos controller(s), and the rule file beside it."""
+def scrape_config(
+    engine_targets: Sequence[str] | Path, controller_targets: Sequence[str], interval: str = "5s"
+) -> dict:
+    """``prometheus.yml``: the engine(s) and the chaos controller(s), and the rule file beside it. ``engine_targets``:
+    host:port addresses, or the file_sd file that names them (compose's, written from its target's URL by
+    ``dashboards.scrape_target``)."""
+    if isinstance(engine_targets, Path):
+        engine = {"job_name": "engine", "file_sd_configs": [{"files": [str(engine_targets)]}]}
+    else:
+        engine = {"job_name": "engine", "static_configs": [{"targets": list(engine_targets)}]}
     return {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "rule_files": [RULES_FILE],
         "scrape_configs": [
-            {"job_name": "engine", "static_configs": [{"targets": list(engine_targets)}]},
+            engine,
             {"job_name": "chaos-controller", "static_configs": [{"targets": list(controller_targets)}]},
         ],
     }

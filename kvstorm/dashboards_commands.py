@@ -26,7 +26,12 @@ def add_dashboards_parser(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="dashboards", required=True)
     build = commands.add_parser("build", help="write the Grafana dashboards, Prometheus rules, scrape config")
     build.add_argument("--out", type=Path, required=True)
-    build.add_argument("--engine-target", action="append", default=None, help="host:port (repeatable)")
+    build.add_argument(
+        "--engine-target",
+        action="append",
+        default=None,
+        help="host:port (repeatable; default: compose's, the file its scrape-target service writes)",
+    )
     build.add_argument("--controller-target", action="append", default=None, help="host:port (repeatable)")
     build.add_argument("--prometheus-url", default=COMPOSE_PROMETHEUS_URL, help="Grafana's datasource URL")
     build.add_argument("--scrape-interval", default="5s")

@@ -1,13 +1,14 @@
 """The compose stack (compose.yaml, compose.gpu.yaml, compose.local.yaml, Dockerfile) without a Docker engine (the
 containers themselves run in tests/test_compose_up.py, CI's own step): what needs no engine is validated (the Compose
 spec's JSON schema, hadolint, promtool, the files every service mounts, its command against the image's entry
-points, ports and healthchecks against the code's defaults), and what runs as a process does: every service but
-Grafana as a plain process on loopback, with the command and environment compose.yaml gives it, one bounded Locust
-burst and one chaos experiment through the controller.
+points, ports and healthchecks against the code's defaults, compose.target.yaml's stack without the bundled engine),
+and what runs as a process does: every service but Grafana as a plain process on loopback, with the command and
+environment compose.yaml gives it, one bounded Locust burst and one chaos experiment through the controller.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
@@ -34,11 +35,13 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose.yaml"
 GPU_OVERRIDE = REPO / "compose.gpu.yaml"
 LOCAL_OVERRIDE = REPO / "compose.local.yaml"
+TARGET_OVERRIDE = REPO / "compose.target.yaml"  # a server you run instead of the bundled engine
+TARGET_URL_ENV = "KVSTORM_TARGET_URL"
 SCHEMA = Path(sys.prefix) / "share" / "compose-spec.json"  # the Makefile extracts it
 BIN = Path(sys.executable).parent
 IMAGE_WORKDIR = "/app"  # the Dockerfile's WORKDIR: the repository root
-# The image's entry points: the console scripts pip installs from pyproject.toml and its dependencies.
-ENTRY_POINTS = ("kvstorm", "locust")
+# The image's entry points: the console scripts pip installs from pyproject.toml and its dependencies, and its python.
+ENTRY_POINTS = ("kvstorm", "locust", "python")
 BIND_ADDRESS_ENV = "KVSTORM_BIND_ADDRESS"  # opens the engine's, the controller's and Locust's published ports
 
 
@@ -99,7 +102,7 @@ def option(command: list[str], flag: str) -> str:
 # ---- what cannot run here: validated ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE, TARGET_OVERRIDE], ids=lambda p: p.name)
 def test_compose_files_validate_against_the_compose_spec(path):
     assert SCHEMA.exists(), f"{SCHEMA} is missing: run `make setup`"
     schema = json.loads(SCHEMA.read_text())
@@ -121,11 +124,19 @@ def test_every_kvstorm_command_parses_with_the_images_entry_points():
         assert command[0] in ENTRY_POINTS, name
         if command[0] == "kvstorm":
             parser.parse_args(command[1:])  # exits (SystemExit) on an unknown option
+        elif command[0] == "python":
+            assert command[1] == "-m", name
+            importlib.import_module(command[2]).build_parser().parse_args(command[3:])
         else:
             locustfile = option(command, "-f")
             assert (REPO / locustfile).is_file(), f"{name}: {locustfile} is not in the image's {IMAGE_WORKDIR}"
     gpu = compose(GPU_OVERRIDE)["services"]["engine"]
     parser.parse_args(gpu["command"][1:])
+    # kill-and-restart asks the engine to exit, and compose's restart policy starts it again, on CPU and GPU alike.
+    assert "--admin-exit" in services()["engine"]["command"]
+    assert "--admin-exit" in gpu["command"]
+    assert services()["engine"]["restart"] == "unless-stopped"
+    assert "--supervised-target" in services()["chaos"]["command"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert option(gpu["command"], "--dtype") == "bfloat16"
     assert option(gpu["command"], "--attention-backend") == "triton"
@@ -152,14 +163,18 @@ def test_ports_healthchecks_and_targets_agree_with_the_code():
     assert f"127.0.0.1:{engine_port}/ready" in engine["healthcheck"]["test"][-1]
     assert int(option(chaos["command"], "--port")) == published_port(chaos)
     assert f"127.0.0.1:{published_port(chaos)}/health" in chaos["healthcheck"]["test"][-1]
-    assert option(chaos["command"], "--target") == f"http://engine:{engine_port}"
-    # What Prometheus scrapes and where Grafana and the controller find Prometheus: the build's defaults.
-    assert (f"engine:{engine_port}",) == COMPOSE_ENGINE_TARGETS
+    assert substitute(option(chaos["command"], "--target")) == f"http://engine:{engine_port}"
+    # What Prometheus scrapes (the file scrape-target writes into the volume Prometheus reads) and where Grafana and
+    # the controller find Prometheus: the build's defaults.
+    scrape_target = all_services["scrape-target"]
+    volume, data_dir = scrape_target["volumes"][0].split(":")
+    (targets_dir,) = [v.split(":")[1] for v in prometheus["volumes"] if v.split(":")[0] == volume]
+    assert Path(scrape_target["command"][-1].replace(data_dir, targets_dir, 1)) == COMPOSE_ENGINE_TARGETS
     assert (f"chaos:{published_port(chaos)}",) == COMPOSE_CONTROLLER_TARGETS
     assert f"http://prometheus:{published_port(prometheus)}" == COMPOSE_PROMETHEUS_URL
     assert option(chaos["command"], "--prometheus-url") == COMPOSE_PROMETHEUS_URL
     master, worker = all_services["locust-master"], all_services["locust-worker"]
-    assert option(master["command"], "--host") == f"http://engine:{engine_port}"
+    assert substitute(option(master["command"], "--host")) == f"http://engine:{engine_port}"
     assert int(option(master["command"], "--web-port")) == published_port(master)
     assert option(worker["command"], "--master-host") == "locust-master"
     assert option(worker["command"], "--master-port") == option(master["command"], "--master-bind-port")
@@ -170,6 +185,40 @@ def test_ports_healthchecks_and_targets_agree_with_the_code():
     dockerfile = (REPO / "Dockerfile").read_text()
     assert f"127.0.0.1:{engine_port}/ready" in dockerfile
     assert f'"--port", "{engine_port}"' in dockerfile
+
+
+def test_chaos_locust_and_prometheus_follow_one_target_url():
+    """The server under test is one variable: the bundled engine unless KVSTORM_TARGET_URL names another; the
+    controller, Locust and the scrape target take the same value, ask the server for its model, and nothing waits on
+    the engine service itself (compose.target.yaml leaves it out)."""
+    all_services = services()
+    given = [
+        option(all_services["chaos"]["command"], "--target"),
+        option(all_services["locust-master"]["command"], "--host"),
+        all_services["scrape-target"]["command"][3],
+    ]
+    assert set(given) == {f"${{{TARGET_URL_ENV}:-http://engine:8000}}"}
+    elsewhere = "http://gpu-box:8000"
+    assert {substitute(value, {TARGET_URL_ENV: elsewhere}) for value in given} == {elsewhere}
+    for name in ("chaos", "locust-master"):
+        assert "--model" not in all_services[name]["command"], f"{name} asks the target for its model"
+    for name, service in all_services.items():
+        assert "engine" not in (service.get("depends_on") or {}), f"{name} waits on the engine service itself"
+    for name in ("prometheus", "chaos", "locust-master"):
+        assert all_services[name]["depends_on"]["scrape-target"] == {"condition": "service_completed_successfully"}
+    assert all_services["scrape-target"]["restart"] == "no", "a one-shot"
+
+
+def test_the_target_override_leaves_the_engine_out_and_changes_nothing_else():
+    override = compose(TARGET_OVERRIDE)["services"]
+    assert override["engine"] == {"profiles": ["bundled-engine"]}
+    reaching = {name for name, s in override.items() if "host.docker.internal:host-gateway" in s.get("extra_hosts", [])}
+    assert reaching == set(services()) - {"engine", "grafana"}, "every service that talks to the target"
+    # No port, command or bind address: compose.yaml's loopback publishing and its refusals stand.
+    for name, service in override.items():
+        assert set(service) <= {"profiles", "extra_hosts", "environment"}, name
+    required = override["scrape-target"]["environment"][TARGET_URL_ENV]
+    assert required.startswith(f"${{{TARGET_URL_ENV}:?"), "compose stops at once when it is unset"
 
 
 def test_prometheus_files_pass_promtool():
@@ -267,7 +316,7 @@ class Stack:
         mounts[IMAGE_WORKDIR] = REPO
         out = []
         for index, token in enumerate(service["command"]):
-            token = token.replace("0.0.0.0", "127.0.0.1")
+            token = substitute(token).replace("0.0.0.0", "127.0.0.1")
             token = re.sub(r"//[a-z-]+:(\d+)", lambda m: f"//127.0.0.1:{self.ports[int(m[1])]}", token)
             token = re.sub(r"^(127\.0\.0\.1):(\d+)$", lambda m: f"{m[1]}:{self.ports[int(m[2])]}", token)
             token = re.sub(r"=127\.0\.0\.1:(\d+)$", lambda m: f"=127.0.0.1:{self.ports[int(m[1])]}", token)
@@ -293,18 +342,31 @@ class Stack:
         self.processes.append(process)
         process.start(timeout_s=240)
 
+    def run_once(self, name: str) -> None:
+        """A one-shot service, run to its exit, which must be 0 (what ``service_completed_successfully`` waits for)."""
+        command = self.translate(name)
+        result = subprocess.run([str(BIN / command[0]), *command[1:]], capture_output=True, text=True, timeout=300)
+        (self.tmp / f"{name}.log").write_text(result.stdout + result.stderr)
+        assert result.returncode == 0, result.stdout + result.stderr
+
     def _mount_source(self, name: str, source: str) -> Path:
-        """A named volume: a fresh folder. A bind mount: the repository's files, where Prometheus' config has the
-        service names as loopback addresses (what compose's network resolves)."""
+        """A named volume: a folder of its own, the same for every service that mounts it. A bind mount: the
+        repository's files, where Prometheus' config has the service names as loopback addresses (what compose's
+        network resolves) and the paths of its volumes as they are here."""
         if not source.startswith("."):
-            return self.tmp / "volumes" / source
+            folder = self.tmp / "volumes" / source
+            folder.mkdir(parents=True, exist_ok=True)
+            return folder
         if name != "prometheus":
             return REPO / source
         copy = self.tmp / "prometheus-config"
         shutil.copytree(REPO / source, copy)
         config = copy / "prometheus.yml"
-        config.write_text(re.sub(r"\b(?:engine|chaos):(\d+)", lambda m: f"127.0.0.1:{self.ports[int(m[1])]}",
-                                 config.read_text()))  # fmt: skip
+        text = re.sub(r"\b(?:engine|chaos):(\d+)", lambda m: f"127.0.0.1:{self.ports[int(m[1])]}", config.read_text())
+        for volume_source, target, *_ in (volume.split(":") for volume in services()[name]["volumes"]):
+            if not volume_source.startswith("."):
+                text = text.replace(f"{target}/", f"{self._mount_source(name, volume_source)}/")
+        config.write_text(text)
         return copy
 
     def stop(self) -> None:
@@ -315,8 +377,9 @@ class Stack:
 def test_the_stack_runs_as_compose_wires_it(tmp_path):
     stack = Stack(tmp_path)
     try:
-        # In depends_on order, each waited for as its healthcheck would.
+        # In depends_on order, each waited for as its healthcheck would (the one-shot scrape-target to its exit).
         stack.start("engine", "/ready")
+        stack.run_once("scrape-target")
         stack.start("prometheus", "/-/ready")
         stack.start("chaos", "/health")
         stack.start("locust-master", "/")
@@ -334,18 +397,26 @@ class Exercised:
     up: dict[str, str]  # Prometheus' `up` by job
 
 
-def exercise_stack(url: Callable[[str], str], chaos_token: str, burst_s: int = 8) -> Exercised:
+def locust_rows(locust: str) -> dict[str, dict]:
+    """Locust's stats rows by method (TTFT, ITL, POST, ...)."""
+    return {row["method"]: row for row in requests.get(f"{locust}/stats/requests", timeout=5).json()["stats"]}
+
+
+def exercise_stack(url: Callable[[str], str], chaos_token: str, num_streams: int = 4) -> Exercised:
     """What a user does with the stack, to its results: a bounded Locust burst from the web UI's own API, an
     experiment through the controller with the token compose gives it, and Prometheus' scrapes of both.
     ``url(service)`` is where a service's published port answers."""
     locust = url("locust-master")
     wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["worker_count"] == 1, "a worker")
-    swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4, "run_time": f"{burst_s}s"},
-                          timeout=10)  # fmt: skip
+    swarm = requests.post(f"{locust}/swarm", data={"user_count": 4, "spawn_rate": 4}, timeout=10)
     assert swarm.json()["success"], swarm.text
-    wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the burst",
-             timeout_s=60 + burst_s)  # fmt: skip
-    rows = {row["method"]: row for row in requests.get(f"{locust}/stats/requests", timeout=5).json()["stats"]}
+    # Until ``num_streams`` streams have finished (seconds on an idle 2-core machine, more on a busy one), then stopped.
+    wait_for(lambda: locust_rows(locust)["TTFT"]["num_requests"] >= num_streams, "streams through Locust",
+             timeout_s=180)  # fmt: skip
+    stop = requests.post(f"{locust}/stop", timeout=10)  # POST, as the web UI sends it: Locust 2.47 answers a GET 405
+    assert stop.ok, stop.text
+    wait_for(lambda: requests.get(f"{locust}/stats/requests", timeout=5).json()["state"] == "stopped", "the stop")
+    rows = locust_rows(locust)
     assert rows["TTFT"]["num_requests"] > 0
     assert rows["ITL"]["num_requests"] > rows["TTFT"]["num_requests"]
     assert rows["TTFT"]["num_failures"] == 0

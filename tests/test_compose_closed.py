@@ -22,6 +22,7 @@ from tests.test_compose import (
     COMPOSE,
     GPU_OVERRIDE,
     LOCAL_OVERRIDE,
+    TARGET_OVERRIDE,
     Stack,
     compose,
     env_of,
@@ -46,7 +47,7 @@ def opening_variables(service_name: str) -> tuple[str, str]:
     return BIND_ADDRESS_ENV, DASHBOARDS_BIND_ADDRESS_ENV
 
 
-@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [COMPOSE, GPU_OVERRIDE, LOCAL_OVERRIDE, TARGET_OVERRIDE], ids=lambda p: p.name)
 def test_every_published_port_is_loopback_only_by_default(path):
     """Each port opens with its own variable: the engine's, the controller's and Locust's with KVSTORM_BIND_ADDRESS,
     Prometheus' and Grafana's with KVSTORM_DASHBOARDS_BIND_ADDRESS only."""
@@ -64,9 +65,13 @@ def test_every_published_port_is_loopback_only_by_default(path):
 
 
 def test_the_services_behind_tokens_know_where_their_ports_are_published():
-    """Compose passes the published address into every kvstorm container; opened, the engine and the controller
-    refuse the committed tokens, and Locust's web UI asks for a login."""
-    for name, service in kvstorm_services().items():
+    """Compose passes the published address into every kvstorm container that holds kvstorm.env's secrets; opened,
+    the engine and the controller refuse the committed tokens, and Locust's web UI asks for a login. The one-shot
+    scrape-target holds none of them and publishes nothing."""
+    holding = {name: service for name, service in kvstorm_services().items() if "env_file" in service}
+    assert set(kvstorm_services()) - set(holding) == {"scrape-target"}
+    assert not {"env_file", "environment", "ports"} & set(services()["scrape-target"])
+    for name, service in holding.items():
         assert env_of(service)[PUBLISHED_ON_ENV] == "127.0.0.1", name
         assert env_of(service, {BIND_ADDRESS_ENV: "0.0.0.0"})[PUBLISHED_ON_ENV] == "0.0.0.0", name
     engine, chaos = services()["engine"], services()["chaos"]
