@@ -47,10 +47,14 @@ def measure_target(
     output_len: str = "fixed:64",
     concurrency: int = 8,
     num_requests: int = 16,
+    rate_unit: str = "capacity",
 ) -> dict[str, Any]:
-    """Read the server's KV size and measure its capacity with these request shapes (``num_requests`` 0: the KV
-    size only; ``chaos.run.sizing``); the loads that follow can be sized from them (``run_load``'s ``rate_unit`` and
-    ``kv_multiple``)."""
+    """Read the server's KV size and measure its capacity with these request shapes (``chaos.run.sizing``); the
+    loads that follow can be sized from them (``run_load``'s ``rate_unit`` and ``kv_multiple``). The experiments'
+    loads give this their own ``rate_unit``: ``req/s`` (rates as written) or ``num_requests`` 0 reads the KV size
+    only, and no request is sent."""
+    if _rate_unit(rate_unit) == "req/s":
+        num_requests = 0
     shapes = {"workload": workload, "input_len": input_len, "output_len": output_len}
     size = measure(target_url, model, shapes=shapes, concurrency=concurrency, num_requests=num_requests)
     current().target_size = size
@@ -83,9 +87,7 @@ def run_load(
     multiple of the measured capacity; ``kv_multiple`` sends as many requests as hold that many times the server's
     KV cache once fully generated (instead of ``num_requests``). ``as_fault``: the load is the experiment's fault
     (traffic that disrupts the main load), so its time is a fault window, ``traffic:NAME``."""
-    if rate_unit not in ("req/s", "capacity"):
-        raise ValueError(f"rate_unit={rate_unit!r}: expected req/s or capacity")
-    if rate_unit == "capacity":
+    if _rate_unit(rate_unit) == "capacity":
         capacity_rps = _measured().capacity_rps
         if capacity_rps is None:
             raise RuntimeError("rate_unit capacity: measure_target read only the KV size (num_requests 0)")
@@ -117,6 +119,12 @@ def run_load(
     finally:
         current().fault_off(window)
     return {"arrival": arrival, "num_requests_cap": num_requests, **loads.summary_of(load.result)}
+
+
+def _rate_unit(rate_unit: str) -> str:
+    if rate_unit not in ("req/s", "capacity"):
+        raise ValueError(f"rate_unit={rate_unit!r}: expected req/s or capacity")
+    return rate_unit
 
 
 def _measured() -> TargetSize:

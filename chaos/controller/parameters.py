@@ -247,7 +247,9 @@ SCHEMAS: dict[str, Schema] = {
     "kill_signal": Choice(("SIGTERM", "SIGKILL")),
     # Appended to the target's URL: a fixed set of paths, never a caller's text (it could name another host).
     "ready_path": Choice(("/ready", "/health")),
-    # chaos.run.sizing: the capacity measurement's closed loop, and a burst's size in multiples of the server's KV.
+    # chaos.run.sizing: the rates of a load in multiples of the capacity measured before it (its closed loop's
+    # streams and requests) or in requests/s as written, and a burst's size in multiples of the server's KV.
+    "rate_unit": Choice(("capacity", "req/s")),
     "capacity_concurrency": Number(1, 64, is_int=True),
     "capacity_requests": Number(1, 256, is_int=True),
     "kv_multiple": Number(0.5, 8),

@@ -29,6 +29,8 @@ SHORT = {
     # 112 tokens, 7 blocks: one fits the 10% cap (8 of 88 blocks), two admitted on 4-block prompts outgrow it; long
     # enough that two are often in flight at 2 requests/s.
     "output_len": "fixed:48",
+    # Requests/s, not multiples of a capacity measured first: the tests' loads are sized for the session's server.
+    "rate_unit": "req/s",
     "arrival": "poisson:rate=2",
     "duration_s": 10,
     "cap_after_s": 2,
@@ -268,7 +270,8 @@ def test_a_kv_cap_evicts_the_prefix_cache_and_the_report_shows_the_hit_rate_fall
     """Multi-turn conversations through a 30% KV cap: the histories waiting for their next turn are evicted, so the
     hit rate (the server's counters, before / during / after the cap) falls under the cap and comes back after it;
     the verdict says so and the report draws it."""
-    settings = {"duration_s": 30, "cap_after_s": 8, "cap_for_s": 12, "arrival": "poisson:rate=0.4"}
+    settings = {"duration_s": 30, "cap_after_s": 8, "cap_for_s": 12, "rate_unit": "req/s"}
+    settings["arrival"] = "poisson:rate=0.4"
     code, run_dir = kvstorm_chaos_run(PREFIX_CACHE_EXPERIMENT, kvstorm_server.url, tmp_path / "kvstorm", settings)
     verdict = (run_dir / "verdict.md").read_text()
     assert code == 0, verdict
@@ -300,6 +303,7 @@ def test_a_flood_of_unrelated_prompts_thrashes_the_prefix_cache_and_the_verdict_
     the hit rate's return; no engine fault is used (the flood is the fault window)."""
     settings = {
         "duration_s": 30,
+        "rate_unit": "req/s",
         "flood_after_s": 8,
         "flood_for_s": 8,
         "flood_arrival": "poisson:rate=1",

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from chaos import actions
 from chaos.run.metrics import MetricsSample, scrape
@@ -83,3 +84,44 @@ def test_the_kv_burst_is_sized_from_the_servers_kv_cache_and_presses_it(kvstorm_
     preemptions = int(re.search(r"\| preemptions \| (\d+)", verdict)[1])
     assert preemptions > 0, verdict
     assert code == 0, verdict
+
+
+def test_rates_as_written_measure_nothing_and_read_the_kv_size(kvstorm_server):
+    reset()
+    requests_before = scrape(kvstorm_server.url).total("vllm:request_success_total")
+    size = actions.measure_target(kvstorm_server.url, MODEL, rate_unit="req/s", **TINY)
+    assert (size["kv_tokens"], size["capacity_rps"], size["num_requests"]) == (KVSTORM_KV_TOKENS, None, 0)
+    assert scrape(kvstorm_server.url).total("vllm:request_success_total") == requests_before
+    with pytest.raises(ValueError, match="expected req/s or capacity"):
+        actions.measure_target(kvstorm_server.url, MODEL, rate_unit="tokens/s", **TINY)
+
+
+def test_every_library_load_is_sized_from_the_server_it_meets():
+    """Each experiment's rates are multiples of the capacity its method measures first, with its own shapes (or a
+    request count from the KV size: burst-past-kv-capacity, whose requests all go at once)."""
+    for path in sorted(EXPERIMENTS_DIR.glob("*.yaml")):
+        experiment = yaml.safe_load(path.read_text())
+        first = experiment["method"][0]["provider"]
+        assert first["func"] == "measure_target", path.name
+        if "kv_multiple" in experiment["configuration"]:
+            assert first["arguments"]["num_requests"] == 0, path.name
+            continue
+        assert experiment["configuration"]["rate_unit"] == "capacity", path.name
+        loads = [activity["provider"] for activity in experiment["method"]]
+        sized = [load["arguments"] for load in loads if load.get("func") in ("run_load", "measure_target")]
+        assert len(sized) >= 2, path.name
+        assert all(load["rate_unit"] == "${rate_unit}" for load in sized), path.name
+
+
+def test_a_library_experiment_runs_at_multiples_of_the_capacity_it_measured(kvstorm_server, tmp_path):
+    settings = {**TINY, "duration_s": 6, "cap_after_s": 1, "cap_for_s": 2, "baseline_requests": 1}
+    settings |= {"capacity_concurrency": 2, "capacity_requests": 4}
+    experiment = EXPERIMENTS_DIR / "burst-with-vram-cap.yaml"
+    written = yaml.safe_load(experiment.read_text())["configuration"]["arrival"]
+    code, run_dir = kvstorm_chaos_run(experiment, kvstorm_server.url, tmp_path, settings)
+    journal = json.loads((run_dir / "journal.json").read_text())
+    outputs = {run["activity"]["name"]: run["output"] for run in journal["run"]}
+    capacity_rps = outputs["measure-capacity"]["capacity_rps"]
+    assert capacity_rps > 0
+    assert outputs["burst"]["arrival"] == scale_rates(written, capacity_rps)
+    assert code in (0, 1), (run_dir / "verdict.md").read_text()

@@ -31,6 +31,7 @@ QUICK = {
     "baseline_requests": 2,
     "input_len": "fixed:32",
     "output_len": "fixed:16",
+    "rate_unit": "req/s",
     "arrival": "poisson:rate=1",
     "duration_s": 60,
     "kill_after_s": 10,
