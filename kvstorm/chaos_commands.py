@@ -26,6 +26,7 @@ from chaos.target_check import TargetCheck, check_target, measured_slo, write_ch
 from chaos.target_check import __doc__ as CHECK_DOC
 from dashboards.slo import PROFILES
 from kvstorm.exposure import committed_token_refusal
+from loadgen.served_model import NoServedModel, served_model
 
 CONTROLLER_TOKEN_ENV = "KVSTORM_CHAOS_TOKEN"
 PROMETHEUS_URL_ENV = "KVSTORM_PROMETHEUS_URL"
@@ -61,6 +62,10 @@ DEMO_VARS: dict[str, object] = {
 }
 
 
+# The experiments' model, as their configuration reads it from the environment.
+MODEL_ENV = "KVSTORM_MODEL"
+
+
 def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     chaos = subparsers.add_parser("chaos", help="chaos experiments (Chaos Toolkit files) against a running server")
     chaos_subparsers = chaos.add_subparsers(dest="chaos", required=True)
@@ -75,7 +80,12 @@ def add_chaos_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     run.add_argument("experiment", help="a .yaml/.json file or a library name")
     run.add_argument("--target", default=None, help="the server's base URL (the experiment's target_url)")
-    run.add_argument("--model", default=None, help="the model name the server expects")
+    run.add_argument(
+        "--model",
+        default=None,
+        help=f"the model name the server expects (default: ${MODEL_ENV}, else with --target the first of the "
+        "target's /v1/models)",
+    )
     run.add_argument(
         "--var",
         action="append",
@@ -325,6 +335,15 @@ def run_chaos(args: argparse.Namespace) -> int:
         variables["target_url"] = args.target
     if args.model:
         variables["model"] = args.model
+    elif args.target and "model" not in variables and not os.environ.get(MODEL_ENV):
+        # The experiments' default model is the bundled engine's name: another server would answer 404 to each request.
+        try:
+            variables["model"] = served_model(args.target)
+        except NoServedModel as error:
+            print(f"kvstorm chaos run: the target did not say which model it serves ({error}): give --model",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"model: {variables['model']} (the first of {args.target}'s /v1/models)", file=sys.stderr)
     on_event = _print_event if args.events else None
     slo_profile, slo_file = args.slo_profile, args.slo_file
     measured = None if slo_profile or slo_file or os.environ.get(SLO_PROFILE_ENV) or not args.target else (

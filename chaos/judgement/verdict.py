@@ -228,7 +228,8 @@ def judge(journal: Mapping[str, Any]) -> tuple[str, str]:
         return "failed", "Chaos Toolkit marked the run failed though no steady-state check it ran was missed"
     missing = _missing_evidence(journal, before, after)
     if status != "completed" or missing:
-        why = "; ".join(part for part in (f"Chaos Toolkit status {status!r}", missing) if part)
+        status_note = f"Chaos Toolkit status {status!r}" if status != "completed" else ""
+        why = "; ".join(part for part in (status_note, missing) if part)
         return "unknown", f"no evidence that the steady state held ({why})"
     return "held", "every steady-state check was met before and after the method"
 
@@ -240,12 +241,26 @@ def _missing_evidence(journal: Mapping[str, Any], before: Mapping | None, after:
         return "the experiment has no steady-state probe"
     if not journal.get("run"):
         return "the method did not run"
+    for run in journal["run"]:
+        name, output = run["activity"]["name"], run.get("output")
+        if run.get("status") != "succeeded":
+            error = (run.get("exception") or ["no error recorded"])[-1].strip()
+            return f"the method's {name} failed ({error.removeprefix('chaoslib.exceptions.ActivityFailed: ')})"
+        # A load none of whose requests was served (a wrong model name: every request a 404) proves nothing held.
+        if run["activity"].get("provider", {}).get("func") == "run_load" and isinstance(output, Mapping):
+            outcomes = output.get("outcomes") or {}
+            if not outcomes.get("ok"):
+                return f"no request of the method's {name} was served ({_outcome_counts(outcomes)})"
     for when, state in (("before", before), ("after", after)):
         runs = _runs_by_name(state)
         unmet = [name for name in probes if name not in runs or runs[name].get("tolerance_met") is not True]
         if state is None or not state.get("steady_state_met") or unmet:
             return f"not every check was met {when} the method: {', '.join(unmet) or 'no hypothesis recorded'}"
     return ""
+
+
+def _outcome_counts(outcomes: Mapping[str, Any]) -> str:
+    return ", ".join(f"{count} {outcome}" for outcome, count in outcomes.items()) or "none sent"
 
 
 def _first_miss(state: Mapping[str, Any] | None) -> str:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from aiohttp import web
 
+from chaos.injectors.processes import free_port
 from chaos.run.runner import EXPERIMENTS_DIR
 from chaos.target_check import MIN_ITL_S, MIN_TTFT_S, TTFT_MULTIPLE, target_key
 from loadgen.runner import run_event_loop
@@ -61,6 +62,7 @@ def test_kvstorm_takes_every_experiment_but_the_restart_and_gets_a_profile_its_r
     )  # fmt: skip
     assert run.returncode in (0, 1), run.stderr[-3000:]
     assert f"SLO profile: sized by `kvstorm chaos check` of {kvstorm_server.url}" in run.stderr
+    assert f"model: smollm2-135m (the first of {kvstorm_server.url}'s /v1/models)" in run.stderr
     (run_dir,) = tmp_path.glob("frozen-engine-*")
     verdict = (run_dir / "verdict.md").read_text()
     assert f"thresholds from {slo_file}" in verdict
@@ -126,3 +128,16 @@ def test_a_server_that_is_not_openai_compatible_is_refused(tmp_path):
     assert code == 2
     assert "does not answer GET /v1/models" in stderr
     assert "Traceback" not in stderr
+
+
+def test_a_run_against_a_target_that_names_no_model_asks_for_one_and_sends_nothing(tmp_path):
+    target = f"http://127.0.0.1:{free_port()}"  # nothing listens: no /v1/models to ask
+    run = subprocess.run(
+        [sys.executable, "-m", "kvstorm", "chaos", "run", "frozen-engine", "--target", target,
+         "--results-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "the target did not say which model it serves" in run.stderr
+    assert "give --model" in run.stderr
+    assert list(tmp_path.iterdir()) == []

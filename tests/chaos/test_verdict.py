@@ -43,6 +43,11 @@ def start_method() -> None:
     _method["ran"] = True
 
 
+def run_load() -> dict[str, Any]:
+    """A stand-in for ``chaos.actions.run_load`` whose every request was refused (a wrong model name: 404s)."""
+    return {"requests": 22, "outcomes": {"rejected": 22}}
+
+
 def press_ctrl_c() -> None:
     raise KeyboardInterrupt
 
@@ -184,6 +189,20 @@ def test_a_journal_without_the_evidence_is_never_held(change, status, why):
     assert (verdict.status, verdict.exit_code) == (status, 2)
     assert why in verdict.reason
     assert STATUS_WORDS[status] in headline(verdict)
+
+
+def test_a_method_activity_that_failed_is_no_evidence_that_anything_held():
+    journal = run([probe("ok", True, True)], method=("start_method", "broken"))
+    assert journal["status"] == "completed", "Chaos Toolkit goes on past a failed action"
+    verdict = verdict_of(journal)
+    assert (verdict.status, verdict.exit_code) == ("unknown", 2)
+    assert "the method's broken failed (RuntimeError: the server did not answer)" in verdict.reason
+
+
+def test_a_load_that_served_no_request_is_no_evidence_that_anything_held():
+    verdict = verdict_of(run([probe("ok", True, True)], method=("start_method", "run_load")))
+    assert (verdict.status, verdict.exit_code) == ("unknown", 2)
+    assert "no request of the method's run_load was served (22 rejected)" in verdict.reason
 
 
 def test_every_status_has_its_words_and_no_other_status_exists():
