@@ -9,9 +9,11 @@ unless the operator names a profile or an SLO file.
 
 The sizing rule (``measured_profile``): TTFT within 20x the calm median (at least 0.5 s), each inter-token gap within
 10x the calm time per output token (at least 50 ms), the whole request within its calm median twice over plus the
-TTFT bound; the guardrails (preemptions, swap) are those of the built-in profile whose pace is nearest (``h200``
-when a calm token takes under 20 ms, else ``cpu``). It is a starting point from one calm moment, said as such in
-the verdicts it judges: a server's operator who holds an SLO of their own gives it with ``--slo-file``.
+TTFT bound, each raised to the nearest bucket boundary the server's histogram has (a latency SLO is counted from
+the bucket at its threshold); the guardrails (preemptions, swap) are those of the built-in profile whose pace is
+nearest (``h200`` when a calm token takes under 20 ms, else ``cpu``). It is a starting point from one calm moment,
+said as such in the verdicts it judges: a server's operator who holds an SLO of their own gives it with
+``--slo-file``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import contextlib
 import json
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
 from chaos.run.load import load_config
 from chaos.run.metrics import MetricsSample, scrape
 from chaos.run.sizing import CACHE_CONFIG_SERIES, kv_tokens_of
+from dashboards.slo import bucket_bounds, load_spec
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome
 from loadgen.runner import run_event_loop
@@ -210,15 +213,31 @@ def measure_calm(target_url: str, model: str, num_requests: int) -> CalmMeasurem
     )
 
 
-def measured_profile(calm: CalmMeasurement) -> tuple[str, dict[str, dict[str, float]]]:
-    """The built-in profile whose guardrails apply, and the latency thresholds sized from ``calm``."""
+def measured_profile(
+    calm: CalmMeasurement, buckets: Mapping[str, Sequence[float]] | None = None
+) -> tuple[str, dict[str, dict[str, float]]]:
+    """The built-in profile whose guardrails apply, and the latency thresholds sized from ``calm``. A latency SLO is
+    counted from the server's histogram bucket at its threshold, so each threshold is raised to the nearest bucket
+    boundary the server exports for it (``buckets``: SLO name -> boundaries; the largest when all are below)."""
     ttft_s = max(MIN_TTFT_S, TTFT_MULTIPLE * calm.ttft_p50_s)
     itl_s = max(MIN_ITL_S, ITL_MULTIPLE * calm.tpot_p50_s)
     e2e_s = 2 * calm.e2e_p50_s + ttft_s
     base = "h200" if calm.tpot_p50_s < FAST_TOKEN_S else "cpu"
-    overrides = {name: {"threshold": float(f"{value:.2g}")} for name, value in (("ttft", ttft_s), ("itl", itl_s),
-                                                                                ("e2e", e2e_s))}  # fmt: skip
+    overrides = {}
+    for name, value in (("ttft", ttft_s), ("itl", itl_s), ("e2e", e2e_s)):
+        bounds = (buckets or {}).get(name)
+        threshold = min((b for b in bounds if b >= value), default=max(bounds)) if bounds else float(f"{value:.2g}")
+        overrides[name] = {"threshold": threshold}
     return base, overrides
+
+
+def latency_buckets(sample: MetricsSample) -> dict[str, tuple[float, ...]]:
+    """The bucket boundaries the server exports for each latency SLO's histogram."""
+    return {
+        slo.name: bounds
+        for slo in load_spec()
+        if slo.histogram is not None and (bounds := bucket_bounds(sample.values, slo.histogram))
+    }
 
 
 def check_target(
@@ -233,7 +252,7 @@ def check_target(
     facts = read_facts(target_url, model, faults_url, admin_token)
     applicability = {name: why_not_applicable(experiment, facts) for name, experiment in sorted(experiments.items())}
     calm = measure_calm(facts.target_url, facts.model, calm_requests) if calm_requests else None
-    base, overrides = measured_profile(calm) if calm is not None else (None, {})
+    base, overrides = measured_profile(calm, latency_buckets(scrape(facts.target_url))) if calm else (None, {})
     return TargetCheck(facts, applicability, calm, base, overrides)
 
 

@@ -161,6 +161,20 @@ def _le(threshold_s: float) -> str:
     return repr(float(threshold_s))
 
 
+def bucket_bounds(scrape: Scrape, histogram: str) -> tuple[float, ...]:
+    """The finite bucket boundaries ``histogram`` has in one scrape, sorted (none: the server does not export it)."""
+    bounds = set()
+    for labels in scrape.get(f"{histogram}_bucket", {}):
+        le = dict(labels).get("le")
+        try:
+            bound = float(le) if le is not None else None
+        except ValueError:
+            continue
+        if bound is not None and bound != float("inf"):
+            bounds.add(bound)
+    return tuple(sorted(bounds))
+
+
 FINISHED = Counter("vllm:request_success_total")
 ERRORS = Counter("vllm:request_success_total", "finished_reason", ("error",))
 # Refusals for load (admission control, an engine down or stalled, the cap on requests in progress or on one

@@ -20,7 +20,7 @@ from itertools import pairwise
 
 from chaos.run.metrics import MetricsSample
 from chaos.run.state import LoadRun, current
-from dashboards.slo import GUARDRAIL_FOR_S, Scrape, Slo, load_spec
+from dashboards.slo import GUARDRAIL_FOR_S, Scrape, Slo, bucket_bounds, load_spec
 
 
 def run_spec() -> tuple[Slo, ...]:
@@ -39,6 +39,8 @@ class SloResult:
     exposed: bool = True
     # A gauge's guardrail: seconds it spent above the threshold.
     seconds_over: float | None = None
+    # Why it could not be measured, when not exposed.
+    why_unmeasured: str = "its series are not exported"
 
     @property
     def met(self) -> bool | None:
@@ -64,6 +66,10 @@ def evaluate(slo: Slo, load: LoadRun) -> SloResult:
     scrapes = [load.metrics_before, *load.samples, load.metrics_after]
     if not load.metrics_after.has(slo.metrics()[0]):
         return SloResult(slo, None, exposed=False)
+    if slo.histogram is not None and slo.threshold not in bucket_bounds(load.metrics_after.values, slo.histogram):
+        # Counted from a bucket that is not there, every event would be bad: the threshold cannot be read.
+        why = f"the server has no {slo.histogram} bucket at {slo.threshold:g} s"
+        return SloResult(slo, None, exposed=False, why_unmeasured=why)
     if slo.kind == "events":
         good, total = increase(slo.good.count, scrapes), increase(slo.total.count, scrapes)
         return SloResult(slo, good / total if total > 0 else None, good, total)

@@ -181,7 +181,7 @@ def load_phases(result: RunResult, fault_windows: list[FaultWindow]) -> tuple[Lo
 
 def _not_measured(storms: list[dict[str, Any]], slos: list[SloResult]) -> str:
     """What the run could not measure on this server, in words ("" when it measured everything)."""
-    missing = [f"SLO {result.slo.name} (its series are not exported)" for result in slos if not result.exposed]
+    missing = [f"SLO {result.slo.name} ({result.why_unmeasured})" for result in slos if not result.exposed]
     if any(storm["aborts_counted"] == NOT_EXPORTED for storm in storms):
         missing.append("client aborts of the disconnect storms (the server counts none)")
     return ", ".join(missing)

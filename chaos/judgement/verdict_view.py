@@ -211,7 +211,7 @@ def _slos(verdict: Verdict) -> Section:
     for result in verdict.slos:
         slo = result.slo
         if not result.exposed:
-            measured, outcome = "-", "not exposed by the server"
+            measured, outcome = "-", f"not measured: {result.why_unmeasured}"
         elif result.value is None:
             measured, outcome = "-", "no events"
         else:

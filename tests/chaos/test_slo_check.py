@@ -53,3 +53,12 @@ def test_kv_usage_misses_only_when_above_its_threshold_as_long_as_its_alert_wait
 def test_a_metric_the_server_does_not_expose_is_said_so():
     result = evaluate(SLOS["swap_out"], load_of(scrape(0, 0, 0), scrape(1, 0, 0)))
     assert (result.exposed, result.value, result.met) == (False, None, None)
+
+
+def test_a_threshold_between_the_servers_buckets_is_not_measured_rather_than_all_bad():
+    """7.1 s is no bucket of this histogram (5.0 and +Inf): counted from a bucket that is not there, every request
+    was bad (a calm vLLM baseline burnt its budget at 100x); now the SLO says it cannot be read, and why."""
+    (ttft,) = load_spec("cpu", {"ttft": {"threshold": 7.1}})[:1]
+    result = evaluate(ttft, load_of(scrape(0, 0, 0), scrape(1, 10, 10)))
+    assert (result.exposed, result.value, result.met, result.burn_rate) == (False, None, None, None)
+    assert result.why_unmeasured == "the server has no vllm:time_to_first_token_seconds bucket at 7.1 s"

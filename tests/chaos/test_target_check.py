@@ -12,13 +12,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from aiohttp import web
 
 from chaos.injectors.processes import free_port
+from chaos.run.metrics import MetricsSample, scrape
 from chaos.run.runner import EXPERIMENTS_DIR
-from chaos.target_check import MIN_ITL_S, MIN_TTFT_S, TTFT_MULTIPLE, target_key
+from chaos.target_check import (
+    MIN_ITL_S,
+    MIN_TTFT_S,
+    TTFT_MULTIPLE,
+    CalmMeasurement,
+    latency_buckets,
+    measured_profile,
+    target_key,
+)
 from loadgen.runner import run_event_loop
 from tests.chaos.test_experiments import SHORT
 
@@ -46,10 +54,12 @@ def test_kvstorm_takes_every_experiment_but_the_restart_and_gets_a_profile_its_r
     calm, overrides = check["calm"], check["slo_overrides"]
     assert calm["num_requests"] == 3
     assert 0 < calm["ttft_p50_s"] <= calm["ttft_max_s"]
-    assert overrides["ttft"]["threshold"] == pytest.approx(
-        max(MIN_TTFT_S, TTFT_MULTIPLE * calm["ttft_p50_s"]), rel=0.05
-    )
+    # Raised to the nearest bucket boundary kvstorm exports for time to first token, so the SLO can be read.
+    sized_ttft_s = max(MIN_TTFT_S, TTFT_MULTIPLE * calm["ttft_p50_s"])
+    buckets = latency_buckets(scrape(kvstorm_server.url))
+    assert overrides["ttft"]["threshold"] == min(bound for bound in buckets["ttft"] if bound >= sized_ttft_s)
     assert overrides["itl"]["threshold"] >= MIN_ITL_S
+    assert all(overrides[name]["threshold"] in buckets[name] for name in ("ttft", "itl", "e2e"))
     assert "SLO profile sized from it" in stdout
 
     slo_file = tmp_path / "targets" / f"{target_key(kvstorm_server.url)}.slo.yaml"
@@ -67,6 +77,7 @@ def test_kvstorm_takes_every_experiment_but_the_restart_and_gets_a_profile_its_r
     verdict = (run_dir / "verdict.md").read_text()
     assert f"thresholds from {slo_file}" in verdict
     assert f"within {overrides['ttft']['threshold']:g} s" in verdict
+    assert "no bucket at" not in verdict, "every sized threshold is one of the server's buckets"
 
 
 class _VllmLike:
@@ -141,3 +152,14 @@ def test_a_run_against_a_target_that_names_no_model_asks_for_one_and_sends_nothi
     assert "the target did not say which model it serves" in run.stderr
     assert "give --model" in run.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sized_thresholds_rise_to_the_buckets_vllm_exports():
+    """The walkthrough's calm vLLM-CPU sized TTFT 7.1 s and ITL 0.57 s, which vLLM's histograms have no bucket for:
+    read from a missing bucket, every request counted as bad (a burn rate of 100 in a calm baseline)."""
+    buckets = latency_buckets(MetricsSample.parse(VLLM_PAGE.read_text(), 0.0))
+    calm = CalmMeasurement(num_requests=5, ttft_p50_s=0.355, ttft_max_s=0.4, tpot_p50_s=0.057, e2e_p50_s=3.95)
+    base, overrides = measured_profile(calm, buckets)
+    assert base == "cpu"
+    assert overrides == {"ttft": {"threshold": 7.5}, "itl": {"threshold": 0.75}, "e2e": {"threshold": 15.0}}
+    assert measured_profile(calm)[1]["ttft"] == {"threshold": 7.1}, "without buckets: the sized value"
