@@ -304,6 +304,7 @@ def test_a_flood_of_unrelated_prompts_thrashes_the_prefix_cache_and_the_verdict_
     settings = {
         "duration_s": 30,
         "rate_unit": "req/s",
+        "arrival": "poisson:rate=1",
         "flood_after_s": 8,
         "flood_for_s": 8,
         "flood_arrival": "poisson:rate=1",
