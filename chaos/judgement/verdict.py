@@ -246,8 +246,11 @@ def _missing_evidence(journal: Mapping[str, Any], before: Mapping | None, after:
         if run.get("status") != "succeeded":
             error = (run.get("exception") or ["no error recorded"])[-1].strip()
             return f"the method's {name} failed ({error.removeprefix('chaoslib.exceptions.ActivityFailed: ')})"
-        # A load none of whose requests was served (a wrong model name: every request a 404) proves nothing held.
-        if run["activity"].get("provider", {}).get("func") == "run_load" and isinstance(output, Mapping):
+        # A load none of whose requests was served (a wrong model name: every request a 404) proves nothing held; a
+        # load that is itself the fault (a flood) may be refused whole by a server that defends itself.
+        provider = run["activity"].get("provider", {})
+        is_load = provider.get("func") == "run_load" and not provider.get("arguments", {}).get("as_fault")
+        if is_load and isinstance(output, Mapping):
             outcomes = output.get("outcomes") or {}
             if not outcomes.get("ok"):
                 return f"no request of the method's {name} was served ({_outcome_counts(outcomes)})"
