@@ -164,4 +164,4 @@ def _activity(load: str) -> EngineActivity:
     run = current().loads.get(load)
     if run is None or run.metrics_before is None or run.metrics_after is None:
         raise RuntimeError(f"load {load!r} has not run to its end")
-    return EngineActivity.between(run.metrics_before, run.metrics_after)
+    return EngineActivity.between(run.metrics_before, run.metrics_after, run.samples)

@@ -132,7 +132,7 @@ def build_verdict(journal: Mapping[str, Any], state: RunState, configuration: Ma
     main = state.main_load()
     activity, slos = None, []
     if main is not None and main.metrics_before is not None and main.metrics_after is not None:
-        activity = EngineActivity.between(main.metrics_before, main.metrics_after)
+        activity = EngineActivity.between(main.metrics_before, main.metrics_after, main.samples)
         slos = evaluate_all(run_spec(), main)
     storms = [storm.to_json() for storm in state.storms]
     unmeasured = _not_measured(storms, slos)

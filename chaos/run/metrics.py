@@ -8,7 +8,9 @@ add detail where they exist.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import requests
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,13 +83,26 @@ class EngineActivity:
     rejected_by_reason: dict[str, int] | None
 
     @classmethod
-    def between(cls, before: MetricsSample, after: MetricsSample) -> EngineActivity:
+    def between(
+        cls, before: MetricsSample, after: MetricsSample, during: Sequence[MetricsSample] = ()
+    ) -> EngineActivity:
+        """``during``: the scrapes taken in between, so that a counter that drops (the server restarted) counts
+        from zero again, as Prometheus' ``increase()`` does, instead of going negative."""
+        chain = [before, *during, after]
+
+        def increase(earlier: float, later: float) -> float:
+            return later - earlier if later >= earlier else later
+
         def delta(name: str, **labels: str) -> int:
-            return round(after.total(name, **labels) - before.total(name, **labels))
+            counts = [sample.total(name, **labels) for sample in chain]
+            return round(sum(increase(earlier, later) for earlier, later in pairwise(counts)))
 
         def delta_by(name: str, label: str) -> dict[str, int]:
-            old, new = before.by_label(name, label), after.by_label(name, label)
-            return {key: round(value - old.get(key, 0.0)) for key, value in sorted(new.items())}
+            counts = [sample.by_label(name, label) for sample in chain]
+            return {
+                key: round(sum(increase(old.get(key, 0.0), new.get(key, 0.0)) for old, new in pairwise(counts)))
+                for key in sorted(after.by_label(name, label))
+            }
 
         # kvstorm's own series: None where the server does not export them.
         def own_delta(name: str, **labels: str) -> int | None:

@@ -4,7 +4,7 @@ restart, a gauge guardrail that must stay crossed as long as its alert waits, an
 from __future__ import annotations
 
 from chaos.judgement.slo_check import evaluate
-from chaos.run.metrics import MetricsSample
+from chaos.run.metrics import EngineActivity, MetricsSample
 from chaos.run.state import LoadRun
 from dashboards.slo import GUARDRAIL_FOR_S, load_spec
 
@@ -62,3 +62,22 @@ def test_a_threshold_between_the_servers_buckets_is_not_measured_rather_than_all
     result = evaluate(ttft, load_of(scrape(0, 0, 0), scrape(1, 10, 10)))
     assert (result.exposed, result.value, result.met, result.burn_rate) == (False, None, None, None)
     assert result.why_unmeasured == "the server has no vllm:time_to_first_token_seconds bucket at 7.1 s"
+
+
+def test_engine_counters_across_a_restart_count_from_zero_again_not_below_it():
+    """kill-and-restart's verdict read -2 preemptions and -22 swapped blocks: the counters start again at zero in the
+    restarted server, and two scrapes alone saw them drop."""
+
+    def counters(unix_s: float, preemptions: int, swapped_out: int) -> MetricsSample:
+        text = f"""# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{{model_name="m"}} {preemptions}
+# TYPE kvstorm:swap_blocks counter
+kvstorm:swap_blocks_total{{direction="out"}} {swapped_out}
+"""
+        return MetricsSample.parse(text, unix_s)
+
+    before, killed, restarted, after = counters(0, 5, 40), counters(1, 7, 58), counters(2, 0, 0), counters(3, 1, 6)
+    activity = EngineActivity.between(before, after, [killed, restarted])
+    assert (activity.preemptions, activity.swapped_out_blocks) == (3, 24)
+    # Two scrapes alone see a drop: counted from zero, the restarted server's own count (the 2 before it are lost).
+    assert EngineActivity.between(before, after).preemptions == 1
