@@ -97,8 +97,8 @@ def true_latencies_ms(result: RunResult, log: dict[str, dict]) -> dict[str, np.n
 
 def timing_deviations_ms(result: RunResult, log: dict[str, dict]) -> dict[str, float]:
     """Every timing check of this module as (name -> absolute deviation in ms); each must stay under 5 ms. A stall's
-        check is named by its place among the run's stalls (the server picks the stalled requests by their arrival order,
-    which two close sends can swap from one run to the next)."""
+    check is named by its place among the run's stalls (the server picks the stalled requests by their arrival
+    order, which two close sends can swap from one run to the next)."""
     errors = client_vs_server_errors_ms(result, log)
     deviations = {"client_vs_server_p99": float(np.percentile(np.abs(errors), 99))}
     for metric, truth in true_latencies_ms(result, log).items():
