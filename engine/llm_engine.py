@@ -47,6 +47,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import describe_dtype_choice, resolve_device, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.model_runner import ModelRunner
+from kernels.cpu_isa import check_library_caps, describe_cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class LLMEngine:
     ) -> LLMEngine:
         """Load the model and tokenizer (unless given), size both block pools from their byte budgets, measure the
         host link and the prefill throughput the preemption policy starts from, and build the engine."""
+        check_library_caps()
         model, tokenizer, dtype_choice, load_timings = _load(config, tokenizer, model)
         cache = config.cache
         dtype = next(model.parameters()).dtype
@@ -152,6 +154,7 @@ class LLMEngine:
             watermark=cache.watermark,
             step_costs=step_costs,
             enable_prefix_caching=cache.enable_prefix_caching,
+            instruction_set=describe_cpu_isa() if runner.device.type == "cpu" else "",
         )
         return cls(config, runner, kv_cache_manager, preemption_policy, info, tokenizer, load_timings)
 

@@ -1,6 +1,7 @@
 """kvstorm's C++ kernels for the CPU (``kernels/csrc``): attention from the paged cache, bfloat16 matmuls on AMX
 tiles, RMSNorm and rotary embeddings, greedy's argmax. Built on first use with PyTorch's JIT extension loader (needs a
-C++ compiler and ninja) and cached under ``TORCH_EXTENSIONS_DIR``.
+C++ compiler and ninja) and cached under ``TORCH_EXTENSIONS_DIR``, for the instruction-set ceiling in force
+(``kernels.cpu_isa``): each ceiling has a build of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from types import ModuleType
 
 import torch
 
-EXTENSION_NAME = "kvstorm_cpu_kernels"
+from kernels.cpu_isa import NATIVE, ceiling_name, kernel_compiler_flags
+
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 # What the kernels compute on (activations and the KV cache).
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -43,9 +45,9 @@ def compiled_kernels() -> ModuleType:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_directory / "lock").unlink(missing_ok=True)
         module = load(
-            name=EXTENSION_NAME,
+            name=extension_name(),
             sources=[str(source) for source in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
+            extra_cflags=["-O3", *kernel_compiler_flags(), "-fopenmp", "-fno-math-errno", "-fno-trapping-math"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_directory),
             verbose=False,
@@ -56,11 +58,18 @@ def compiled_kernels() -> ModuleType:
     return module
 
 
+def extension_name() -> str:
+    """The kernels' module name, which names their build directory: one per instruction-set ceiling, so that a
+    build for one never loads under another."""
+    ceiling = ceiling_name()
+    return "kvstorm_cpu_kernels" if ceiling == NATIVE else f"kvstorm_cpu_kernels_{ceiling.replace('-', '_')}"
+
+
 def kernels_build_directory() -> Path:
     """Where torch's loader builds and caches the kernels (under ``TORCH_EXTENSIONS_DIR``, or its default root)."""
     from torch.utils.cpp_extension import _get_build_directory  # private, but the one place that names it
 
-    return Path(_get_build_directory(EXTENSION_NAME, verbose=False))
+    return Path(_get_build_directory(extension_name(), verbose=False))
 
 
 @contextlib.contextmanager

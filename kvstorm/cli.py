@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from kernels.cpu_isa import CeilingError, apply_cpu_isa_ceiling
 from kvstorm.bench.doc import update_section
 
 # Each command's module, imported only when that command runs (all of them for --help or an unknown command):
@@ -135,6 +136,12 @@ def reproducible_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        # Before any command imports torch: oneDNN, ATen and MKL read their caps once, when first used.
+        apply_cpu_isa_ceiling()
+    except CeilingError as error:
+        print(f"kvstorm: error: {error}", file=sys.stderr)
+        return 2
     args = build_parser(argv).parse_args(argv)
     try:
         return args.handler(args)

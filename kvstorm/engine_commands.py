@@ -22,6 +22,7 @@ from engine.core.config import (
     PreemptionMode,
     SchedulerConfig,
 )
+from engine.core.outputs import EngineInfo
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.serving.async_engine import AsyncEngine
@@ -137,6 +138,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_options(**engine_options_from_args(args))
 
 
+def _device(info: EngineInfo) -> str:
+    """The device, with the instruction set on the CPU: "cpu (instruction set capped at avx2 ...)"."""
+    return f"{info.device} ({info.instruction_set})" if info.instruction_set else info.device
+
+
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     add_engine_arguments(parser)
@@ -174,7 +180,7 @@ def run_generate(args: argparse.Namespace) -> int:
     generate_s = time.perf_counter() - start
     sys.stdout.write("\n")
     print(
-        f"[{args.model} on {engine.info.device} {engine.info.dtype} ({engine.info.dtype_choice}): "
+        f"[{args.model} on {_device(engine.info)} {engine.info.dtype} ({engine.info.dtype_choice}): "
         f"model loaded in {engine.load_timings['model_s']:.2f} s, tokenizer in "
         f"{engine.load_timings['tokenizer_s']:.2f} s, engine ready in {load_s:.2f} s, "
         f"{request.num_prompt_tokens} prompt + {request.num_output_tokens} generated tokens in {generate_s:.2f} s "
@@ -289,7 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _freeze_the_loaded_heap()
     info = engine.info
     print(
-        f"kvstorm serve: {info.model} on {info.device} in {info.dtype} ({info.dtype_choice}), "
+        f"kvstorm serve: {info.model} on {_device(info)} in {info.dtype} ({info.dtype_choice}), "
         f"attention {info.attention_backend}, matmuls {info.matmul}, norms and rotary {info.layer_ops}, "
         f"KV blocks of {info.block_size} tokens ({info.bytes_per_block} bytes each)",
         file=sys.stderr,

@@ -12,6 +12,12 @@ import os
 # tests run the Triton kernels on the CPU (a GPU machine runs them natively through scripts/gpu_check.sh).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from kernels.cpu_isa import library_caps
+
+# Under KVSTORM_CPU_ISA (CI runs the CPU-dependent tests under avx2 too) oneDNN, ATen and MKL are capped before torch
+# is first used, here and in every process a test starts (``kernels.cpu_isa.apply_cpu_isa_ceiling``).
+os.environ.update(library_caps())
+
 import atexit
 import shutil
 import tempfile

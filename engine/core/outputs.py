@@ -333,3 +333,6 @@ class EngineInfo:
     step_costs: StepCosts
     # Whether requests share cached prompt prefixes (``engine.core.kv_cache_manager``).
     enable_prefix_caching: bool = False
+    # On the CPU, the instruction set the engine may use and the CPU's own ("instruction set capped at avx2 by
+    # KVSTORM_CPU_ISA (the CPU has avx512-bf16)": ``kernels.cpu_isa``); empty elsewhere.
+    instruction_set: str = ""

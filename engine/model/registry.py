@@ -7,7 +7,6 @@ model of a known shape with random weights (tests, GPU benchmarks of big shapes)
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.packed_linear import packing_applies
 from engine.model.safetensors_loader import iter_safetensors_weights
 from engine.model.tokenizer import Tokenizer
+from kernels.cpu_isa import NATIVE, ceiling_name, visible_cpu_flags
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,8 @@ def describe_dtype_choice(name: str, device: torch.device) -> str:
     feature = native_bfloat16_cpu_feature()
     if _auto_picks_bfloat16(device):
         return f"auto: the CPU has {feature}"
+    if feature is None and ceiling_name() != NATIVE:
+        return f"auto: no native bfloat16 multiply under the {ceiling_name()} ceiling"
     if feature is None:
         return "auto: the CPU has no native bfloat16 multiply"
     return f"auto: the CPU has {feature} but oneDNN cannot pack bfloat16 weights here"
@@ -197,16 +199,8 @@ def _auto_picks_bfloat16(device: torch.device) -> bool:
 NATIVE_BFLOAT16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16")  # x86 flags; Arm's "Features" line says bf16
 
 
-@functools.cache
 def native_bfloat16_cpu_feature() -> str | None:
-    """The first feature of ``NATIVE_BFLOAT16_FEATURES`` that /proc/cpuinfo lists; None without one (or off Linux)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    features: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            features.update(value.split())
-    return next((feature for feature in NATIVE_BFLOAT16_FEATURES if feature in features), None)
+    """The first feature of ``NATIVE_BFLOAT16_FEATURES`` the CPU has under the instruction-set ceiling
+    (``kernels.cpu_isa``); None without one (or off Linux)."""
+    flags = visible_cpu_flags()
+    return next((feature for feature in NATIVE_BFLOAT16_FEATURES if feature in flags), None)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from chaos.injectors.processes import kvstorm_server
 from engine.model.registry import native_bfloat16_cpu_feature
+from kernels.cpu_isa import cpu_kind, real_cpu_flags
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_flags, cpu_kind, cpu_name, vllm_server
+from kvstorm.bench.peer import cpu_name, vllm_server
 from kvstorm.simulate.run import open_loop_load
 from loadgen.analysis import Summary
 from loadgen.benchmark import run_benchmark
@@ -96,7 +97,7 @@ def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:
 
 
 def _cpu_flags() -> str:
-    flags = cpu_flags()
+    flags = real_cpu_flags()
     return ", ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
 
 

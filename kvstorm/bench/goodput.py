@@ -29,8 +29,9 @@ from plotly.subplots import make_subplots
 
 from chaos.injectors.processes import kvstorm_server
 from engine.model.registry import describe_dtype_choice, resolve_dtype
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.bench.peer import cpu_name
 from loadgen.analysis import parse_slos
 from loadgen.benchmark import run_benchmark
 from loadgen.records import Outcome

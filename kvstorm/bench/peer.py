@@ -63,25 +63,6 @@ def vllm_server(command: str) -> Iterator[str]:
         server.stop()
 
 
-# The instruction sets that set a CPU's speed for this engine, best first, as /proc/cpuinfo's flags name them.
-CPU_KINDS = (("amx_bf16", "amx"), ("avx512_bf16", "avx512-bf16"), ("avx512f", "avx512"), ("avx2", "avx2"))
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's flags, as /proc/cpuinfo lists them (none off Linux)."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            return set(next(line for line in cpuinfo if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
-def cpu_kind() -> str:
-    """The best of ``CPU_KINDS`` this CPU has ("amx", "avx512-bf16", "avx512", "avx2"), else the machine's name."""
-    flags = cpu_flags()
-    return next((kind for flag, kind in CPU_KINDS if flag in flags), platform.machine())
-
-
 def cpu_name() -> str:
     """The CPU's model name, as /proc/cpuinfo gives it."""
     try:

@@ -9,8 +9,8 @@ import platform
 import time
 from pathlib import Path
 
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind
 from loadgen.arrivals import __doc__ as ARRIVALS_DOC
 from loadgen.benchmark import run_benchmark, summary_markdown
 from loadgen.capacity import CapacityRow, Placement, measure_capacity

@@ -26,8 +26,9 @@ from chaos.run.metrics import EngineActivity, scrape
 from engine.core.admission import AdmissionLimits
 from engine.core.simulator import FaultWindow
 from engine.model.registry import resolve_model
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.bench.peer import cpu_name
 from kvstorm.engine_commands import DEFAULT_MODEL
 from kvstorm.simulate.conversations import ChatTokens, TemplateTokens
 from kvstorm.simulate.measure import fitted_profile, served_model

@@ -13,8 +13,9 @@ import time
 import numpy as np
 
 from engine.core.simulator import SimulatedArrival, Simulation
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.bench.peer import cpu_name
 from kvstorm.simulate.profiles import load_profile, simulated_engine
 from loadgen.arrivals import make_arrivals
 from loadgen.workloads import sample_lengths

@@ -36,8 +36,9 @@ from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.injectors.hostile_clients import hostile_round
 from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import KVOccupancy, scrape, wait_until_settled
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.doc import BenchReport
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.bench.peer import cpu_name
 from kvstorm.bench.serve import duration_arg
 from kvstorm.simulate.measure import served_model
 from loadgen.benchmark import run_benchmark

@@ -25,7 +25,8 @@ from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV, EngineAdmin
 from chaos.injectors.processes import kvstorm_server
 from chaos.run.metrics import scrape
 from engine.core.step_cost import StepShape, fit_linear_step_cost
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kernels.cpu_isa import cpu_kind
+from kvstorm.bench.peer import cpu_name
 from kvstorm.simulate.profiles import EngineShape, Fit, FittedProfile, LinearCost
 from kvstorm.simulate.run import open_loop_load
 from loadgen.benchmark import run_benchmark

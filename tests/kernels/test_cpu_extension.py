@@ -12,14 +12,14 @@ from pathlib import Path
 
 from setuptools.config.pyprojecttoml import read_configuration
 
-from kernels.cpu_extension import compiled_kernels, kernels_build_directory
+from kernels.cpu_extension import compiled_kernels, extension_name, kernels_build_directory
 
 LOADS_THE_KERNELS = "from kernels.cpu_extension import cpu_kernels_available; assert cpu_kernels_available()"
 
 
 def test_kernels_load_from_the_same_build_with_no_ninja_on_path(tmp_path):
     compiled_kernels()  # built (or found) with this process's PATH
-    library = kernels_build_directory() / "kvstorm_cpu_kernels.so"
+    library = kernels_build_directory() / f"{extension_name()}.so"
     built_at = library.stat().st_mtime_ns
     tools = tmp_path / "bin"  # a C++ compiler and the binutils it calls, and nothing else
     tools.mkdir()

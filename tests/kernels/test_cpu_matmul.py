@@ -5,12 +5,11 @@ calls them: the tests say so and stop."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_isa import visible_cpu_flags
 from kernels.cpu_matmul import (
     interleave_column_tiles,
     pack_tiles,
@@ -21,13 +20,8 @@ from kernels.cpu_matmul import (
 )
 
 
-def _cpu_flags() -> set[str]:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return set(flags.split(":", 1)[-1].split())
-
-
 def test_the_kernels_run_on_amx_where_the_cpu_has_it_else_on_avx512_bf16_else_not_at_all():
-    flags = _cpu_flags()
+    flags = visible_cpu_flags()
     expected = "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512-bf16" if "avx512_bf16" in flags else None
     assert tile_matmul_isa() == expected
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from kernels.cpu_isa import cpu_kind
 from kvstorm.bench.goodput import _bucket_quantile
-from kvstorm.bench.peer import cpu_kind, cpu_name
+from kvstorm.bench.peer import cpu_name
 
 
 def test_the_goodput_benchmark_runs_both_admission_modes_and_sheds_only_with_admission(tmp_path):

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from engine.model.packed_linear import (
     tile_matmul_name,
 )
 from engine.model.registry import resolve_model
+from kernels.cpu_isa import visible_cpu_flags
 from kernels.cpu_matmul import tile_matmul_isa
 
 
@@ -166,7 +166,7 @@ def test_latency_packs_each_weight_in_the_layout_best_for_a_lone_decode_and_thro
     chosen = choose_layout(*shape, False, dtype, "latency")
     keys = {layout: lone_row_key(layout, shape, dtype) for layout in WEIGHT_LAYOUTS}
     assert keys[chosen] == max(keys.values())
-    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
+    if dtype == torch.bfloat16 and "amx_bf16" in visible_cpu_flags():
         # The batch layout's kernels change at 33 rows; the vector layout's agree from one row up to 256 (144 at
         # K = 1536), so a latency-favouring layer runs a lone row alone and a batch in few calls.
         assert probe_row_ranges(*shape, False, dtype, "batch")[0] == RowRange(1, 32)
@@ -269,16 +269,9 @@ def test_a_packed_model_says_what_multiplies_it_and_in_calls_of_how_many_rows(ke
     assert describe_packed_matmuls(model, False, None) == (tile_matmul_name() if tiles else "onednn-packed")
 
 
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def test_packing_applies_to_float32_and_to_bfloat16_where_the_cpu_has_the_instructions():
     cpu = torch.device("cpu")
-    flags = cpu_flags()
+    flags = visible_cpu_flags()
     assert packing_applies(cpu, torch.float32)
     has_bfloat16_path = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
     assert packing_applies(cpu, torch.bfloat16) == has_bfloat16_path

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -9,6 +7,7 @@ from engine.core.interface import PromptTooLong
 from engine.model.packed_linear import packing_applies
 from engine.model.registry import describe_dtype_choice, native_bfloat16_cpu_feature, resolve_dtype, resolve_model
 from engine.model.tokenizer import IncrementalDetokenizer
+from kernels.cpu_isa import ceiling_name, visible_cpu_flags
 
 
 @pytest.mark.parametrize(
@@ -99,24 +98,17 @@ def test_unknown_models_are_clear_errors(spec, message):
         resolve_model(spec)
 
 
-def cpu_features() -> set[str]:
-    return {
-        feature
-        for line in Path("/proc/cpuinfo").read_text().splitlines()
-        if line.split(":")[0].strip() in ("flags", "Features")
-        for feature in line.split(":", 1)[1].split()
-    }
-
-
 def test_dtype_defaults_follow_the_device_and_the_cpus_bfloat16_support():
     cpu = torch.device("cpu")
-    native = {"avx512_bf16", "amx_bf16", "bf16"} & cpu_features()
+    native = {"avx512_bf16", "amx_bf16", "bf16"} & visible_cpu_flags()
     expected = torch.bfloat16 if native and packing_applies(cpu, torch.bfloat16) else torch.float32
     assert resolve_dtype("auto", cpu) == expected
     choice = describe_dtype_choice("auto", cpu)
     if native:
         assert choice.startswith(f"auto: the CPU has {native_bfloat16_cpu_feature()}"), choice
         assert native_bfloat16_cpu_feature() in native
+    elif ceiling_name() != "native":
+        assert choice == f"auto: no native bfloat16 multiply under the {ceiling_name()} ceiling"
     else:
         assert choice == "auto: the CPU has no native bfloat16 multiply"
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
