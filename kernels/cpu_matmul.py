@@ -48,10 +48,15 @@ def interleave_column_tiles(gate: torch.Tensor, up: torch.Tensor) -> torch.Tenso
 
 
 def tile_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``x @ weight.T (+ bias) (+ residual)`` for bfloat16 ``x`` [rows, in], summed in float32 and rounded once."""
-    out = torch.empty(x.shape[0], packed.shape[0] * TILE_COLUMNS, dtype=torch.bfloat16)
+    """``x @ weight.T (+ bias) (+ residual)`` for bfloat16 ``x`` [rows, in], summed in float32 and rounded once to
+    ``out_dtype`` (bfloat16; float32 keeps the sums as they are, as the LM head's logits need)."""
+    out = torch.empty(x.shape[0], packed.shape[0] * TILE_COLUMNS, dtype=out_dtype)
     compiled_kernels().tile_linear(
         out, _dense_rows(x), packed, bias, None if residual is None else _dense_rows(residual)
     )

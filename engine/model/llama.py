@@ -177,6 +177,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab]: float32 from a packed LM head (``pack_linear_weights``), else in the model's dtype."""
         if self.lm_head is None:  # tied to the embeddings
             return F.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
@@ -186,13 +187,18 @@ class LlamaForCausalLM(nn.Module):
         where ``kernel`` is "auto" and they apply (``uses_tiles``), else for oneDNN in the layout that batch-invariant
         calls favouring ``favour`` run best with (``choose_layout``); the MLPs run their element-wise work fused
         into the matmuls. A head tied to the embeddings gets its own packed copy, the embedding lookup keeps the
-        plain matrix. Weights cannot be loaded afterwards."""
+        plain matrix. The head gives float32 logits (``PackedLinear.float32_output``): in bfloat16 a logit of about 25
+        is rounded to a multiple of 1/8, coarser than the gaps greedy decoding decides between. Weights cannot be
+        loaded afterwards."""
         for layer in self.layers:
             if isinstance(layer.mlp, MLP):
                 layer.mlp = layer.mlp.packed(favour, kernel)
+        lm_head = self.lm_head
         pack_linear_layers(self, favour, kernel)
-        if self.lm_head is None:
-            self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour, kernel=kernel)
+        if lm_head is None:
+            self.lm_head = PackedLinear(self.embed_tokens.weight, favour=favour, kernel=kernel, float32_output=True)
+        elif isinstance(self.lm_head, PackedLinear):
+            self.lm_head.float32_output = self.lm_head.dtype != torch.float32
 
     def use_cpu_kernels(self, enabled: bool = True) -> bool:
         """RMSNorm and rotary embeddings through the compiled CPU kernels (``kernels.cpu_layer_ops``): the same

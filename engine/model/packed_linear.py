@@ -280,13 +280,21 @@ _PADDING = _PaddingBuffers()
 
 class PackedLinear(_RowSlicedMatmul):
     """``x @ weight.T + bias`` through oneDNN or the tile matmuls with the weight prepacked; holds no copy of the
-    plain weight."""
+    plain weight. ``float32_output``: a bfloat16 layer's result in float32, not rounded to bfloat16 (the LM head: a
+    logit of about 25 rounded to bfloat16 moves by up to 1/16, so a near-tie between two tokens in float32 becomes
+    an exact tie or flips; see ``_multiply``)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, favour: str = "throughput", kernel: str = "auto"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        favour: str = "throughput",
+        kernel: str = "auto",
+        float32_output: bool = False,
     ) -> None:
         super().__init__()
         (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
+        self.float32_output = float32_output and weight.dtype != torch.float32
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         # A plain attribute, not a parameter or buffer: an opaque oneDNN tensor cannot be saved, moved or copied.
         self.packed_weight = self._pack(weight, favour, kernel)
@@ -301,8 +309,16 @@ class PackedLinear(_RowSlicedMatmul):
 
     def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == TILE_LAYOUT:
-            return tile_linear(x, self.packed_weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            out_dtype = torch.float32 if self.float32_output else x.dtype
+            return tile_linear(x, self.packed_weight, self.bias, out_dtype=out_dtype)
+        rounded = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if not self.float32_output:
+            return rounded
+        # oneDNN's bfloat16 matmul only gives bfloat16: a second pass subtracts the rounded result from the float32
+        # sums in a fused post-op, so the (at most half an ulp) rounding error comes back, itself rounded to 8 bits.
+        # The sum of the two is the float32 result to about 16 bits, for twice the matmul's time.
+        error = torch.ops.mkldnn._linear_pointwise.binary(x, rounded, self.packed_weight, self.bias, "sub")
+        return rounded.float() + error.float()
 
     def extra_repr(self) -> str:
         return (

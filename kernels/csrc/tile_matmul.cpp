@@ -81,17 +81,28 @@ struct Call {
   const c10::BFloat16* bias;      // [N] or null
   const c10::BFloat16* residual;  // [M, N] or null
   int64_t residual_stride;
-  c10::BFloat16* out;
+  void* out;  // bfloat16, or float32 where out_float (the sums as they are, not rounded to bfloat16)
+  bool out_float;
   int64_t out_stride;
   Epilogue epilogue;
 };
+
+// 16 finished float32 outputs of row m from `column` on: rounded once to bfloat16, or kept in float32.
+inline void store_out(const Call& call, int64_t m, int64_t column, __m512 values) {
+  const int64_t offset = m * call.out_stride + column;
+  if (call.out_float) {
+    _mm512_storeu_ps(static_cast<float*>(call.out) + offset, values);
+  } else {
+    store16(static_cast<c10::BFloat16*>(call.out) + offset, values);
+  }
+}
 
 // Row m's outputs of the column tiles 2 pair and 2 pair + 1 (for SwiGLU: gate and up of the same 16 columns), in
 // float32, finished and rounded once. Not inlined: one copy of the element-wise code for every caller, so that no
 // compiler choice (fusing a multiply and an add) differs between the calls of different row counts.
 __attribute__((noinline)) void finish_row(const Call& call, int64_t m, int64_t pair, __m512 first, __m512 second) {
   if (call.epilogue == Epilogue::kSwiGLU) {
-    store16(call.out + m * call.out_stride + pair * kTileCols, _mm512_mul_ps(silu(first), second));
+    store_out(call, m, pair * kTileCols, _mm512_mul_ps(silu(first), second));
     return;
   }
   const __m512 halves[2] = {first, second};
@@ -102,7 +113,7 @@ __attribute__((noinline)) void finish_row(const Call& call, int64_t m, int64_t p
     if (call.residual != nullptr) {
       value = _mm512_add_ps(value, widen16(call.residual + m * call.residual_stride + column));
     }
-    store16(call.out + m * call.out_stride + column, value);
+    store_out(call, m, column, value);
   }
 }
 
@@ -270,9 +281,10 @@ void multiply(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
               packed.size(1) * kTileDepth);
   TORCH_CHECK(packed.size(0) % 2 == 0, "packed weight: an even number of column tiles");
   const int64_t columns = epilogue == Epilogue::kSwiGLU ? packed.size(0) / 2 * kTileCols : packed.size(0) * kTileCols;
+  const bool out_float = out.scalar_type() == at::kFloat;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == columns && out.stride(1) == 1 &&
-                  out.scalar_type() == at::kBFloat16,
-              "out: bfloat16 [", x.size(0), ", ", columns, "], rows dense");
+                  (out.scalar_type() == at::kBFloat16 || out_float),
+              "out: bfloat16 or float32 [", x.size(0), ", ", columns, "], rows dense");
   for (const auto& extra : {bias, residual}) {
     const bool fits = !extra || (extra->scalar_type() == at::kBFloat16 && extra->stride(-1) == 1 &&
                                  extra->size(-1) == columns);
@@ -288,7 +300,8 @@ void multiply(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
                   bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
                   residual ? residual->data_ptr<c10::BFloat16>() : nullptr,
                   residual ? residual->stride(0) : 0,
-                  out.data_ptr<c10::BFloat16>(),
+                  out.data_ptr(),
+                  out_float,
                   out.stride(0),
                   epilogue};
 #if KVSTORM_AMX

@@ -63,6 +63,23 @@ def test_linear_is_the_product_rounded_once(shape, extras):
 
 
 @needs_tiles
+@pytest.mark.parametrize("extras", ["none", "bias", "residual"])
+def test_linear_into_float32_is_the_sums_unrounded(extras):
+    """The LM head's logits: the float32 sums as they are, which round to the bfloat16 result bit for bit."""
+    weight, x = _bf16(49152, 576, seed=1, scale=0.05), _bf16(5, 576, seed=2)
+    bias = _bf16(49152, seed=3) if extras == "bias" else None
+    residual = _bf16(5, 49152, seed=4) if extras == "residual" else None
+    exact = x.double() @ weight.double().T
+    exact += 0 if bias is None else bias.double()
+    exact += 0 if residual is None else residual.double()
+    packed = pack_tiles(weight)
+    got = tile_linear(x, packed, bias, residual, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert torch.equal(got.to(torch.bfloat16), tile_linear(x, packed, bias, residual))
+
+
+@needs_tiles
 def test_swiglu_is_the_gated_product_rounded_once():
     gate, up = _bf16(1536, 576, seed=5, scale=0.05), _bf16(1536, 576, seed=6, scale=0.05)
     x = _bf16(100, 576, seed=7)

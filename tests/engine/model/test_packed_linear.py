@@ -77,6 +77,22 @@ def test_packing_a_model_replaces_every_linear_and_keeps_its_outputs():
     assert pack_linear_layers(packed) == 0  # packing twice changes nothing
 
 
+@pytest.mark.parametrize("kernel", ["auto", "onednn"])
+def test_a_bfloat16_head_gives_float32_logits_near_the_exact_product(kernel):
+    """Rounded to bfloat16, a logit of about 25 moves by up to 1/16: near-ties between tokens would tie or flip."""
+    if not packing_applies(torch.device("cpu"), torch.bfloat16) and tile_matmul_isa() is None:
+        pytest.skip("this CPU packs no bfloat16 weights")
+    source = resolve_model("random:tiny")
+    model = source.load_model(dtype=torch.bfloat16, seed=3)
+    model.pack_linear_weights(kernel=kernel)
+    x = (8 * torch.randn(7, model.config.hidden_size, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    exact = x.double() @ model.embed_tokens.weight.double().T
+    logits = model.compute_logits(x)
+    assert logits.dtype == torch.float32
+    # Either kernel: far closer than bfloat16's own rounding of the result (2^-9 of each value).
+    assert ((logits.double() - exact).abs() <= exact.abs() * 2**-14 + 1e-5 * exact.abs().max()).all()
+
+
 def test_packed_swiglu_is_the_gated_mlp_plus_the_residual():
     generator = torch.Generator().manual_seed(0)
     gate, up = torch.randn(48, 32, generator=generator), torch.randn(48, 32, generator=generator)
