@@ -85,7 +85,11 @@ def real_cpu_flags() -> frozenset[str]:
 
 def ceiling_name() -> str:
     """The ceiling in force (``KVSTORM_CPU_ISA``, default native), checked against the real CPU."""
-    name = os.environ.get(CPU_ISA_ENV, "").strip().lower() or NATIVE
+    return check_ceiling(os.environ.get(CPU_ISA_ENV, "").strip().lower() or NATIVE)
+
+
+def check_ceiling(name: str) -> str:
+    """``name`` if this CPU reaches that ceiling; else ``CeilingError`` naming what the CPU lacks."""
     if name == NATIVE:
         return NATIVE
     ceiling = _ceiling(name)
@@ -109,9 +113,10 @@ def _ceilings_this_cpu_allows() -> list[str]:
     return [ceiling.name for ceiling in CEILINGS if ceiling.flags <= real_cpu_flags()] + [NATIVE]
 
 
-def visible_cpu_flags() -> frozenset[str]:
-    """The CPU flags the engine may use: the real ones, less any instruction-set flag above the ceiling."""
-    name = ceiling_name()
+def visible_cpu_flags(name: str | None = None) -> frozenset[str]:
+    """The CPU flags the engine may use under ceiling ``name`` (default: the one in force): the real ones, less any
+    instruction-set flag above the ceiling."""
+    name = ceiling_name() if name is None else check_ceiling(name)
     if name == NATIVE:
         return real_cpu_flags()
     allowed = _ceiling(name).flags
@@ -167,10 +172,10 @@ def real_cpu_kind() -> str:
     return reached[-1] if reached else platform.machine()
 
 
-def cpu_kind() -> str:
-    """What the engine runs on, for benchmark sections and reports: the real CPU's kind, or under a ceiling the
-    ceiling and the real kind ("avx2-on-avx512-bf16")."""
-    name = ceiling_name()
+def cpu_kind(name: str | None = None) -> str:
+    """What the engine runs on under ceiling ``name`` (default: the one in force), for benchmark sections and
+    reports: the real CPU's kind, or under a ceiling the ceiling and the real kind ("avx2-on-avx512-bf16")."""
+    name = ceiling_name() if name is None else check_ceiling(name)
     return real_cpu_kind() if name == NATIVE else f"{name}-on-{real_cpu_kind()}"
 
 

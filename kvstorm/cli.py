@@ -27,7 +27,7 @@ COMMANDS = {
     "dashboards": ("kvstorm.dashboards_commands", "add_dashboards_parser"),
     "simulate": ("kvstorm.simulate.command", "add_simulate_parser"),
 }
-# ``kvstorm bench NAME``: module, its parser, its run (which returns a BenchReport).
+# ``kvstorm bench NAME``: module, its parser, its run (which returns a BenchReport, or one per case in a list).
 BENCHMARKS = {
     "offline": ("kvstorm.bench.offline", "add_bench_offline_parser", "run_bench_offline"),
     "serve": ("kvstorm.bench.serve", "add_bench_serve_parser", "run_bench_serve"),
@@ -96,17 +96,19 @@ def _bench_handler(run, section: str):
     """Run a benchmark, print its report, and record it in docs/benchmarks.md with the command line."""
 
     def handler(args: argparse.Namespace) -> int:
-        report = run(args)
+        returned = run(args)
         command = reproducible_command(sys.argv[1:])
-        title = f"`kvstorm bench {section}`" + ("" if report.case is None else f" ({report.case})")
-        markdown = f"## {title}\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
-        print(markdown)
-        if report.failures:
-            print(f"kvstorm bench {section}: failed: {', '.join(report.failures)}", file=sys.stderr)
-            return 1
-        if not args.no_docs:
-            update_section(f"bench-{section}" + ("" if report.case is None else f"-{report.case}"), markdown)
-        return 0
+        failed = False
+        for report in returned if isinstance(returned, list) else [returned]:  # a list: one report per case
+            title = f"`kvstorm bench {section}`" + ("" if report.case is None else f" ({report.case})")
+            markdown = f"## {title}\n\n{report.markdown}\n\nReproduce: `{command}` ({time.strftime('%Y-%m-%d')})"
+            print(markdown)
+            if report.failures:
+                print(f"kvstorm bench {section}: failed: {', '.join(report.failures)}", file=sys.stderr)
+                failed = True
+            elif not args.no_docs:
+                update_section(f"bench-{section}" + ("" if report.case is None else f"-{report.case}"), markdown)
+        return 1 if failed else 0
 
     return handler
 

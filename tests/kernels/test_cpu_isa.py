@@ -129,12 +129,20 @@ def test_kvstorm_refuses_a_ceiling_above_the_cpu():
     above = next((ceiling.name for ceiling in CEILINGS if not ceiling.flags <= real_cpu_flags()), None)
     if above is None:
         pytest.skip("this CPU reaches every ceiling (the refusal's rules are tested above on a stand-in CPU)")
-    child = subprocess.run(
+    serve = subprocess.run(
         [sys.executable, "-m", "kvstorm", "serve"],
         env={**os.environ, CPU_ISA_ENV: above},
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert child.returncode == 2
-    assert f"kvstorm: error: KVSTORM_CPU_ISA={above} is above this CPU, which lacks" in child.stderr
+    assert serve.returncode == 2
+    assert f"kvstorm: error: KVSTORM_CPU_ISA={above} is above this CPU, which lacks" in serve.stderr
+    bench = subprocess.run(
+        [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "cpu-speed", "--isa", f"avx2,{above}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bench.returncode == 2
+    assert f"--isa: KVSTORM_CPU_ISA={above} is above this CPU" in bench.stderr

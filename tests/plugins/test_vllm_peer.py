@@ -203,3 +203,23 @@ def test_an_out_of_memory_step_reaches_vllm_and_a_verdict_is_reached(peer, tmp_p
     except requests.ConnectionError:
         after = "down"
     print(f"oom-storm: vLLM after the out-of-memory step: {after}")
+
+
+VLLM_KERNELS_LOADED = """
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+import torch
+maps = open("/proc/self/maps").read().splitlines()
+print(torch.backends.cpu.get_cpu_capability(), sorted({line.rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}))
+"""
+
+
+def test_under_the_avx2_ceiling_vllm_loads_its_avx2_kernels_and_a_capped_torch():
+    env = {**os.environ, "KVSTORM_CPU_ISA": "avx2", "PYTHONPATH": str(ROOT / "scripts" / "vllm_ceiling")}
+    for variable in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(variable, None)  # set by the ceiling's hook itself, as when scripts/vllm_serve.sh starts vLLM
+    child = subprocess.run(
+        [vllm_python(), "-c", VLLM_KERNELS_LOADED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.strip().splitlines()[-1] == "AVX2 ['_C_AVX2.abi3.so']"
