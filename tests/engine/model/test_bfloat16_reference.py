@@ -126,10 +126,14 @@ def hf_answer(model, prompt: list[int]) -> Answer:
     )
 
 
-def test_greedy_answers_and_logprobs_are_close_to_transformers_bfloat16(kvstorm_bfloat16, hf_bfloat16, prompts):
+@pytest.fixture(scope="module")
+def hf_bfloat16_answers(hf_bfloat16, prompts) -> list[Answer]:
+    return [hf_answer(hf_bfloat16, prompt) for prompt in prompts]
+
+
+def test_greedy_answers_and_logprobs_are_close_to_transformers_bfloat16(kvstorm_bfloat16, hf_bfloat16_answers, prompts):
     ours = kvstorm_answers(kvstorm_bfloat16, prompts)
-    for prompt, answer in zip(prompts, ours, strict=True):
-        reference = hf_answer(hf_bfloat16, prompt)
+    for prompt, answer, reference in zip(prompts, ours, hf_bfloat16_answers, strict=True):
         for position, (token, reference_token) in enumerate(zip(answer.token_ids, reference.token_ids, strict=True)):
             if token != reference_token:
                 assert token in reference.top_token_ids[position], (prompt, position)
@@ -146,19 +150,38 @@ def reference_token_logprobs(logits: torch.Tensor, sequence: list[int], prompt_l
     return logprobs.gather(1, torch.tensor(sequence[prompt_len:])[:, None])[:, 0]
 
 
+@dataclass(frozen=True)
+class TeacherForced:
+    """A prompt followed by transformers' float32 greedy answer, and each answer token's log-probability under
+    transformers in float32 and in bfloat16."""
+
+    prompt_len: int
+    sequence: list[int]
+    exact: torch.Tensor
+    hf_bfloat16: torch.Tensor
+
+
+@pytest.fixture(scope="module")
 @torch.inference_mode()
-def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16_is(kvstorm_bfloat16, hf_oracle, hf_bfloat16, prompts):
-    runner = kvstorm_bfloat16.runner
-    ours, theirs = [], []
+def teacher_forced(hf_oracle, hf_bfloat16, prompts) -> list[TeacherForced]:
+    cases = []
     for prompt in prompts:
         sequence = prompt + hf_answer(hf_oracle, prompt).token_ids
         exact = reference_token_logprobs(hf_oracle(torch.tensor([sequence])).logits[0], sequence, len(prompt))
         hf = reference_token_logprobs(hf_bfloat16(torch.tensor([sequence])).logits[0], sequence, len(prompt))
-        blocks = list(range(-(-len(sequence) // BLOCK_SIZE)))
-        logits = runner.forward([ScheduledRequest("r", sequence, 0, blocks)])
-        kvstorm = reference_token_logprobs(logits, sequence, len(prompt))
-        ours.append((kvstorm - exact).abs())
-        theirs.append((hf - exact).abs())
+        cases.append(TeacherForced(len(prompt), sequence, exact, hf))
+    return cases
+
+
+@torch.inference_mode()
+def test_bfloat16_is_as_close_to_float32_as_transformers_bfloat16_is(kvstorm_bfloat16, teacher_forced):
+    ours, theirs = [], []
+    for case in teacher_forced:
+        blocks = list(range(-(-len(case.sequence) // BLOCK_SIZE)))
+        logits = kvstorm_bfloat16.runner.forward([ScheduledRequest("r", case.sequence, 0, blocks)])
+        kvstorm = reference_token_logprobs(logits, case.sequence, case.prompt_len)
+        ours.append((kvstorm - case.exact).abs())
+        theirs.append((case.hf_bfloat16 - case.exact).abs())
     ours_mean, theirs_mean = torch.cat(ours).mean().item(), torch.cat(theirs).mean().item()
     assert ours_mean <= theirs_mean, (ours_mean, theirs_mean)
 
