@@ -199,8 +199,8 @@ def _auto_picks_bfloat16(device: torch.device) -> bool:
 NATIVE_BFLOAT16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16")  # x86 flags; Arm's "Features" line says bf16
 
 
-def native_bfloat16_cpu_feature() -> str | None:
-    """The first feature of ``NATIVE_BFLOAT16_FEATURES`` the CPU has under the instruction-set ceiling
-    (``kernels.cpu_isa``); None without one (or off Linux)."""
-    flags = visible_cpu_flags()
+def native_bfloat16_cpu_feature(ceiling: str | None = None) -> str | None:
+    """The first feature of ``NATIVE_BFLOAT16_FEATURES`` the CPU has under the instruction-set ceiling (the one in
+    force, or ``ceiling``: ``kernels.cpu_isa``); None without one (or off Linux)."""
+    flags = visible_cpu_flags(ceiling)
     return next((feature for feature in NATIVE_BFLOAT16_FEATURES if feature in flags), None)

@@ -20,7 +20,7 @@ import shlex
 from dataclasses import dataclass
 
 from chaos.injectors.processes import kvstorm_server
-from engine.model.registry import NATIVE_BFLOAT16_FEATURES
+from engine.model.registry import native_bfloat16_cpu_feature
 from kernels.cpu_isa import (
     CEILING_NAMES,
     CPU_ISA_ENV,
@@ -30,7 +30,6 @@ from kernels.cpu_isa import (
     check_ceiling,
     cpu_kind,
     real_cpu_flags,
-    visible_cpu_flags,
 )
 from kvstorm.bench.doc import BenchReport
 from kvstorm.bench.peer import cpu_name, vllm_server
@@ -117,7 +116,7 @@ def _dtype_of(server_args: str, ceiling: str) -> str:
     asked = words[words.index("--dtype") + 1] if "--dtype" in words else "auto"
     if asked != "auto":
         return asked
-    return "bfloat16 (auto)" if set(NATIVE_BFLOAT16_FEATURES) & visible_cpu_flags(ceiling) else "float32 (auto)"
+    return "bfloat16 (auto)" if native_bfloat16_cpu_feature(ceiling) else "float32 (auto)"
 
 
 def _measure(name: str, dtype: str, url: str, failures: list[str]) -> ServerRun:

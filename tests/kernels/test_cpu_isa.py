@@ -125,24 +125,30 @@ def test_kvstorm_generate_under_avx2_says_so_and_answers():
     assert "float32 (auto: no native bfloat16 multiply under the avx2 ceiling)" in child.stderr
 
 
-def test_kvstorm_refuses_a_ceiling_above_the_cpu():
-    above = next((ceiling.name for ceiling in CEILINGS if not ceiling.flags <= real_cpu_flags()), None)
-    if above is None:
-        pytest.skip("this CPU reaches every ceiling (the refusal's rules are tested above on a stand-in CPU)")
+@pytest.mark.parametrize("ceiling", [ceiling.name for ceiling in CEILINGS])
+def test_kvstorm_takes_each_ceiling_this_cpu_reaches_and_refuses_the_others(ceiling):
+    # --isa is parsed before --help acts: a refused ceiling exits 2, an accepted one prints the help.
+    bench = subprocess.run(
+        [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "cpu-speed", "--isa", f"avx2,{ceiling}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if _ceiling_flags(ceiling) <= real_cpu_flags():
+        assert bench.returncode == 0, bench.stderr
+        return
+    assert bench.returncode == 2
+    assert f"--isa: KVSTORM_CPU_ISA={ceiling} is above this CPU, which lacks" in bench.stderr
     serve = subprocess.run(
         [sys.executable, "-m", "kvstorm", "serve"],
-        env={**os.environ, CPU_ISA_ENV: above},
+        env={**os.environ, CPU_ISA_ENV: ceiling},
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert serve.returncode == 2
-    assert f"kvstorm: error: KVSTORM_CPU_ISA={above} is above this CPU, which lacks" in serve.stderr
-    bench = subprocess.run(
-        [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "cpu-speed", "--isa", f"avx2,{above}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bench.returncode == 2
-    assert f"--isa: KVSTORM_CPU_ISA={above} is above this CPU" in bench.stderr
+    assert f"kvstorm: error: KVSTORM_CPU_ISA={ceiling} is above this CPU, which lacks" in serve.stderr
+
+
+def _ceiling_flags(name: str) -> frozenset[str]:
+    return next(ceiling.flags for ceiling in CEILINGS if ceiling.name == name)
