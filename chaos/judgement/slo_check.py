@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from chaos.run.metrics import MetricsSample
+from chaos.run.metrics import MetricsSample, counter_increase
 from chaos.run.state import LoadRun, current
 from dashboards.slo import GUARDRAIL_FOR_S, Scrape, Slo, bucket_bounds, load_spec
 
@@ -90,6 +90,5 @@ def evaluate_all(slos: Sequence[Slo], load: LoadRun) -> list[SloResult]:
 
 
 def increase(count: Callable[[Scrape], float], scrapes: Sequence[MetricsSample]) -> float:
-    """A counter's increase over consecutive scrapes; a drop is a restart, after which it counts from zero."""
-    counts = [count(sample.values) for sample in sorted(scrapes, key=lambda sample: sample.unix_s)]
-    return sum(later - earlier if later >= earlier else later for earlier, later in pairwise(counts))
+    """A counter's increase over consecutive scrapes, in time order (``counter_increase``)."""
+    return counter_increase([count(sample.values) for sample in sorted(scrapes, key=lambda sample: sample.unix_s)])

@@ -90,17 +90,13 @@ class EngineActivity:
         from zero again, as Prometheus' ``increase()`` does, instead of going negative."""
         chain = [before, *during, after]
 
-        def increase(earlier: float, later: float) -> float:
-            return later - earlier if later >= earlier else later
-
         def delta(name: str, **labels: str) -> int:
-            counts = [sample.total(name, **labels) for sample in chain]
-            return round(sum(increase(earlier, later) for earlier, later in pairwise(counts)))
+            return round(counter_increase([sample.total(name, **labels) for sample in chain]))
 
         def delta_by(name: str, label: str) -> dict[str, int]:
             counts = [sample.by_label(name, label) for sample in chain]
             return {
-                key: round(sum(increase(old.get(key, 0.0), new.get(key, 0.0)) for old, new in pairwise(counts)))
+                key: round(counter_increase([count.get(key, 0.0) for count in counts]))
                 for key in sorted(after.by_label(name, label))
             }
 
@@ -271,3 +267,9 @@ def cache_phase(start: MetricsSample, end: MetricsSample) -> CachePhase:
         hit_rate=hits / queried if queried > 0 else None,
         computed_tokens_per_s=(queried - hits) / seconds if seconds > 0 else None,
     )
+
+
+def counter_increase(counts: Sequence[float]) -> float:
+    """A counter's increase over its values in consecutive scrapes; a drop is a restart, after which it counts from
+    zero (Prometheus' ``increase()``)."""
+    return sum(later - earlier if later >= earlier else later for earlier, later in pairwise(counts))
