@@ -296,17 +296,19 @@ def test_a_flood_of_unrelated_prompts_thrashes_the_prefix_cache_and_the_verdict_
     kvstorm_server, tmp_path
 ):
     """Two hot prefixes at a request a second; 8 s into it, 1,000-token prompts of random tokens, one a second for
-    8 s: one of them (63 blocks) cannot sit beside the hot prefixes (32) in the 88-block pool, so each evicts them
+    5 s: one of them (63 blocks) cannot sit beside the hot prefixes (32) in the 88-block pool, so each evicts them
     unless a steady request holds them. (With the experiment's 768-token flood, two must overlap to evict them, and
     a CPU fast enough to finish each before the next made that a matter of chance.) The steady load's own cached
     share (its usage) falls while the flood runs and comes back after, its TTFT rises with it, and the verdict times
-    the hit rate's return; no engine fault is used (the flood is the fault window)."""
+    the hit rate's return; no engine fault is used (the flood is the fault window). The flood's window lasts until
+    its last prompt is answered, which a slow CPU stretched from 8 s to 20 s, so the load runs 40 s: the hit rate
+    must have time to come back inside it."""
     settings = {
-        "duration_s": 30,
+        "duration_s": 40,
         "rate_unit": "req/s",
         "arrival": "poisson:rate=1",
         "flood_after_s": 8,
-        "flood_for_s": 8,
+        "flood_for_s": 5,
         "flood_arrival": "poisson:rate=1",
         "flood_input_len": "fixed:1000",
     }
