@@ -42,6 +42,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.core.step_cost import StepShape
 from engine.core.stopping import check_stop, releasable_text_end
+from engine.cpu_share import describe_threads
 from engine.faults import EngineFaults
 from engine.model.llama import LlamaForCausalLM
 from engine.model.registry import describe_dtype_choice, resolve_device, resolve_dtype, resolve_model
@@ -123,6 +124,7 @@ class LLMEngine:
             config.batch_invariant,
             config.invariant_rows,
             config.matmul_kernel,
+            config.cpu_threads,
         )
         kv_cache_manager = KVCacheManager(
             BlockPool(num_device_blocks, "device"),
@@ -155,6 +157,7 @@ class LLMEngine:
             step_costs=step_costs,
             enable_prefix_caching=cache.enable_prefix_caching,
             instruction_set=describe_cpu_isa() if runner.device.type == "cpu" else "",
+            cpu_threads=describe_threads(runner.threads.share()) if runner.threads is not None else "",
         )
         return cls(config, runner, kv_cache_manager, preemption_policy, info, tokenizer, load_timings)
 
@@ -323,7 +326,8 @@ class LLMEngine:
                 )
                 for r in self.scheduler.requests.values()
             )
-        return self.scheduler.snapshot(self.faults.active(), self.last_step, requests)
+        cpu_share = self.runner.threads.share() if self.runner.threads is not None else None
+        return self.scheduler.snapshot(self.faults.active(), self.last_step, requests, cpu_share)
 
     # ---- finishing: the one place --------------------------------------------------------
 

@@ -23,6 +23,7 @@ from engine.core.outputs import (
     StepCosts,
     TokenLogprobs,
 )
+from engine.cpu_share import FixedThreads, ThreadGovernor, thread_policy
 from engine.faults import EngineFaults
 from engine.host_memory import keep_freed_host_memory
 from engine.model.llama import LlamaForCausalLM
@@ -49,13 +50,18 @@ class ModelRunner:
         batch_invariant: bool = True,
         invariant_rows: str = "throughput",
         matmul_kernel: str = "auto",
+        cpu_threads: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         parameter = next(model.parameters())
         self.device = parameter.device
+        # On the CPU, how many threads a step runs on (engine.cpu_share); chosen before the packing probes oneDNN.
+        self.threads: ThreadGovernor | FixedThreads | None = None
         if self.device.type == "cpu":  # the steps' activations live in host memory
             keep_freed_host_memory()
+            follows_threads = "the torch attention backend's results change with the thread count"
+            self.threads = thread_policy(cpu_threads, follows_threads if model.backend.name == "torch" else None)
         # How the linear layers multiply, reported by the startup line and benchmarks: "torch", or the packed
         # layers' kernels and how many rows a call takes when that keeps each row's result batch-invariant
         # (``describe_packed_matmuls``).
@@ -102,6 +108,8 @@ class ModelRunner:
         if not output.scheduled:
             return ExecuteResult({})
         self.faults.before_forward(output)
+        if self.threads is not None:
+            self.threads.follow()
         logits = self.forward(output.scheduled, positions_to_keep=[s.needs_sample for s in output.scheduled])
         if not to_sample:  # every chunk was a partial prefill
             return ExecuteResult({})

@@ -102,6 +102,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "AVX512-BF16, batch-invariant at any row count; oneDNN elsewhere) or onednn",
     )
     group.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        default=None,
+        help="the CPU threads a step runs on (default: torch's count, fewer while other processes take a core of "
+        "this process's CPUs, read from /proc/stat every quarter second; the results are the same bits at any count)",
+    )
+    group.add_argument(
         "--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults_sched.preemption_mode.value
     )
     group.add_argument("--debug-invariants", action="store_true", help="check block invariants after every step")
@@ -128,10 +135,18 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "batch_invariant": not args.no_batch_invariance,
         "invariant_rows": args.invariant_rows,
         "matmul_kernel": args.matmul_kernel,
+        "cpu_threads": args.cpu_threads,
         "preemption_mode": args.preemption_mode,
         "debug_invariants": args.debug_invariants,
         "seed": args.seed,
     }
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -139,8 +154,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _device(info: EngineInfo) -> str:
-    """The device, with the instruction set on the CPU: "cpu (instruction set capped at avx2 ...)"."""
-    return f"{info.device} ({info.instruction_set})" if info.instruction_set else info.device
+    """The device, with the instruction set and threads on the CPU: "cpu (instruction set capped at avx2 ...; 2 CPU
+    threads, ...)"."""
+    details = "; ".join(detail for detail in (info.instruction_set, info.cpu_threads) if detail)
+    return f"{info.device} ({details})" if details else info.device
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -96,6 +96,9 @@ class EngineConfig:
     invariant_rows: str = "throughput"
     # MATMUL_KERNELS: kvstorm's tile matmuls where they apply ("auto") or oneDNN for every packed layer.
     matmul_kernel: str = "auto"
+    # The CPU threads a step runs on: None follows the cores other processes leave (engine.cpu_share), a number
+    # fixes it.
+    cpu_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # Longest prompt + output; None means the model's own context length.
@@ -107,6 +110,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_invariant_rows(self.invariant_rows)
         check_matmul_kernel(self.matmul_kernel)
+        if self.cpu_threads is not None and (type(self.cpu_threads) is not int or self.cpu_threads < 1):
+            raise ValueError(f"cpu_threads must be a positive whole number or None (auto), got {self.cpu_threads!r}")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

@@ -279,6 +279,18 @@ class StepCosts:
 
 
 @dataclass(frozen=True)
+class CpuShare:
+    """The engine's threads now, how many it may use, and the CPU other processes took from its cores (in cores,
+    over the last read; None before the first or where /proc/stat cannot be read): ``engine.cpu_share``."""
+
+    threads: int
+    max_threads: int
+    co_tenant_cores: float | None
+    # How the count is chosen: "follows the CPU share", or why it is fixed.
+    policy: str
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine between two steps, as plain data: everything the serving layer may know about its state."""
 
@@ -298,6 +310,8 @@ class EngineSnapshot:
     requests: tuple[RequestSnapshot, ...] | None = None
     # Cached device blocks no request holds, the next to be evicted first (``BlockPool.evictable_hashes``).
     evictable_block_hashes: tuple[BlockHash, ...] = ()
+    # On the CPU: the threads the next step runs on.
+    cpu_share: CpuShare | None = None
 
 
 @dataclass(frozen=True)
@@ -336,3 +350,6 @@ class EngineInfo:
     # On the CPU, the instruction set the engine may use and the CPU's own ("instruction set capped at avx2 by
     # KVSTORM_CPU_ISA (the CPU has avx512-bf16)": ``kernels.cpu_isa``); empty elsewhere.
     instruction_set: str = ""
+    # On the CPU, the threads a step runs on and how they are chosen ("2 threads, fewer while other processes take
+    # a core"); empty elsewhere.
+    cpu_threads: str = ""

@@ -42,6 +42,7 @@ from engine.core.block_hash import BlockHash
 from engine.core.config import PreemptionMode, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, num_blocks_for
 from engine.core.outputs import (
+    CpuShare,
     EngineSnapshot,
     FinishReason,
     PreemptionEvent,
@@ -296,6 +297,7 @@ class Scheduler:
         active_faults: dict[str, bool],
         last_step: StepStats | None = None,
         requests: tuple[RequestSnapshot, ...] | None = None,
+        cpu_share: CpuShare | None = None,
     ) -> EngineSnapshot:
         """The engine between two steps, as the serving layer and the admission forecast see it: its queues' remaining
         work in scheduling order, its pools, its cached prefixes and its preemption costs."""
@@ -311,6 +313,7 @@ class Scheduler:
             waiting_work=self._remaining_work(self.waiting, {}),
             requests=requests,
             evictable_block_hashes=kv.device_pool.evictable_hashes() if kv.enable_prefix_caching else (),
+            cpu_share=cpu_share,
         )
 
     def _remaining_work(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.core.config import check_invariant_rows, check_matmul_kernel
+from engine.cpu_share import thread_levels
 from kernels.cpu_matmul import (
     interleave_column_tiles,
     pack_tiles,
@@ -113,7 +114,16 @@ def probed_row_counts(fewest: int) -> list[int]:
 class _ProbedMatmul:
     """One matmul shape as the probe multiplies it: rows that expose any change in the order of the sums."""
 
-    def __init__(self, in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype, layout: str) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        has_bias: bool,
+        dtype: torch.dtype,
+        layout: str,
+        thread_counts: tuple[int, ...],
+    ) -> None:
+        self.thread_counts = thread_counts
         generator = torch.Generator().manual_seed(0)
         weight = torch.randn(out_features, in_features, generator=generator)
         weight[:, -1] = weight[:, 0]
@@ -129,26 +139,50 @@ class _ProbedMatmul:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def agrees(self, fewest: int, count: int) -> bool:
-        """Whether a call of ``count`` rows gives each row what it gets first in a call of ``fewest``."""
+        """Whether a call of ``count`` rows gives each row what it gets first in a call of ``fewest``, on each of
+        ``thread_counts`` threads (the first: this thread's count now)."""
         # Cloned: a view would keep its whole call's output alive (for the LM head, 3 MB a row).
         self.alone += [self.multiply(fewest, first=row)[0].clone() for row in range(len(self.alone), count)]
-        return torch.equal(self.multiply(count), torch.stack(self.alone[:count]))
+        expected = torch.stack(self.alone[:count])
+        try:
+            for threads in self.thread_counts:
+                torch.set_num_threads(threads)
+                if not torch.equal(self.multiply(count), expected):
+                    return False
+            return True
+        finally:
+            torch.set_num_threads(self.thread_counts[0])
 
 
-@functools.cache
 def probe_row_ranges(
     in_features: int, out_features: int, has_bias: bool, dtype: torch.dtype, layout: str = "batch"
 ) -> tuple[RowRange, ...]:
+    """``_probe_row_ranges`` at every thread count the engine may run on from the calling thread's count
+    (``engine.cpu_share.thread_levels``): a co-tenant that changes the count changes no result."""
+    thread_counts = thread_levels(torch.get_num_threads())
+    return _probe_row_ranges(in_features, out_features, has_bias, dtype, layout, thread_counts)
+
+
+@functools.cache
+def _probe_row_ranges(
+    in_features: int,
+    out_features: int,
+    has_bias: bool,
+    dtype: torch.dtype,
+    layout: str,
+    thread_counts: tuple[int, ...],
+) -> tuple[RowRange, ...]:
     """Every range of row counts whose oneDNN kernels agree for this matmul shape and weight layout, for calls
     padded as ``RowRange.padded`` pads them: a row's result is the same bits at any position of a call of any count
-    the range gives, asked of oneDNN itself (it picks its kernel by the shape, and its kernels sum in different
-    orders). On an Intel Xeon with AMX, bfloat16 gives 1-32 and 33-256 (the MLP's down projection, K = 1536: 1-32,
-    then 33 to 36 one count each, and 37-240), and with the "vector" layout (``WEIGHT_LAYOUTS``) 1-256 (the down
-    projection: 1-144); in float32 a lone row has a kernel of its own at K = 1536, then 2-256 agree; on an AMD EPYC
-    with AVX512-BF16 the tests found counts from two rows up to agree in both dtypes. Once per shape, layout and
-    process, where batch invariance is asked for: 0.1-0.3 s, about 1 s for the LM head (49,152 x 576: each call
-    reads 57 MB in bfloat16), 1.6 s in float32."""
-    matmul = _ProbedMatmul(in_features, out_features, has_bias, dtype, layout)
+    the range gives, on any of ``thread_counts`` threads, asked of oneDNN itself (it picks its kernel by the shape
+    and the threads, and its kernels sum in different orders). On an Intel Xeon with AMX, bfloat16 gives 1-32 and
+    33-256 (the MLP's down projection, K = 1536: 1-32, then 33 to 36 one count each, and 37-240), and with the
+    "vector" layout (``WEIGHT_LAYOUTS``) 1-256 (the down projection: 1-144); in float32 a lone row has a kernel of
+    its own at K = 1536, then 2-256 agree; on an AMD EPYC with AVX512-BF16 the tests found counts from two rows up to
+    agree in both dtypes, on 2 threads and on 1. Once per shape, layout and process, where batch invariance is asked
+    for: on one thread count 0.1-0.3 s, about 1 s for the LM head (49,152 x 576: each call reads 57 MB in
+    bfloat16), 1.6 s in float32; each other count costs its calls again."""
+    matmul = _ProbedMatmul(in_features, out_features, has_bias, dtype, layout, thread_counts)
     ranges: list[RowRange] = []
     fewest = 1
     while MOST_ROWS_PER_CALL - fewest > max((r.width for r in ranges), default=-1):  # or no wider one is left

@@ -94,6 +94,13 @@ class EngineMetrics:
         self.kv_cap_fraction = self._labelled(
             Gauge, "kvstorm:kv_cap_fraction", "Fraction of each pool's blocks usable now (1: no cap fault)", ("pool",)
         )
+        self.cpu_threads = self._gauge(
+            "kvstorm:cpu_threads", "CPU threads the engine's steps run on (fewer while other processes take a core)"
+        )
+        self.cpu_co_tenant_cores = self._gauge(
+            "kvstorm:cpu_co_tenant_cores",
+            "Cores' worth of the engine's CPUs other processes used over the last quarter-second read (steal included)",
+        )
         # vLLM's names and units (tokens), so a dashboard's hit rate reads either server.
         self.prefix_cache_queries = self._counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens"
@@ -250,6 +257,11 @@ class EngineMetrics:
         """The engine between two steps: its queues, pools, prefix cache, batch limit and faults."""
         self._observe_queues(snapshot.stats)
         self._observe_prefix_cache(snapshot.stats)
+        share = snapshot.cpu_share
+        if share is not None:
+            self.cpu_threads.set(share.threads)
+            if share.co_tenant_cores is not None:
+                self.cpu_co_tenant_cores.set(share.co_tenant_cores)
         for fault, active in snapshot.active_faults.items():
             self.set_fault(fault, active)
 
