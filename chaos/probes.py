@@ -10,7 +10,8 @@ The steady-state hypothesis runs before the method and again after it, with the 
   return there;
 - ``leaked_kv_blocks`` then counts KV blocks still held beyond that;
 - ``prefix_cache_recovery_s``: how long the prefix cache's hit rate took to come back after the last fault;
-- ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.judgement.slo_check``).
+- ``slo_met`` and ``slo_burn_rate`` judge the load by an SLO of the dashboards' spec (``chaos.judgement.slo_check``);
+- ``stated_promise_kept``: the load's admitted requests against the TTFT objective the server itself states.
 
 Every probe reads only HTTP (``/metrics``, ``/health``), so the hypothesis holds as well against vLLM. Thresholds
 live in each probe's tolerance in the experiment file (a range ``[0, X]`` for a latency in seconds).
@@ -18,6 +19,7 @@ live in each probe's tolerance in the experiment file (a range ``[0, X]`` for a 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,6 +103,33 @@ def prefix_cache_recovery_s(target_url: str, load: str = "main") -> float:
         raise RuntimeError("the server served no prompt token from its prefix cache before the faults")
     recovery_s = phases.hit_rate_recovery_s
     return NO_VALUE if recovery_s is None else round(recovery_s, 2)
+
+
+# The objective a server states for its admitted requests' time to first token, by quantile (kvstorm's --ttft-slo).
+STATED_TTFT_OBJECTIVE = "kvstorm:admission_ttft_objective_seconds"
+
+
+def stated_promise_kept(target_url: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> str:
+    """Whether the load's admitted requests (every one not refused) kept the time to first token the server states
+    on /metrics (``STATED_TTFT_OBJECTIVE``) at the quantile it states: "kept: ...", "missed: ..." (an admitted
+    request that never got a first token misses it), or "no promise stated" (a server that states none, or kvstorm
+    with ``--ttft-slo off``). Tolerance: ``{type: regex, pattern: "^(kept|no promise stated)"}``."""
+    stated = scrape(target_url).by_label(STATED_TTFT_OBJECTIVE, "quantile")
+    if not stated:
+        return "no promise stated"
+    quantile, objective_s = max(stated.items())
+    records = load_for_probe(load, configuration).result.records
+    waits = sorted(math.inf if r.ttft_s is None else r.ttft_s for r in records if r.outcome is not Outcome.REJECTED)
+    if not waits:
+        return f"kept: no request was admitted to a TTFT objective of {objective_s:g} s"
+    at_quantile = waits[max(0, math.ceil(float(quantile) * len(waits)) - 1)]
+    within = sum(wait <= objective_s for wait in waits)
+    verdict = "kept" if at_quantile <= objective_s else "missed"
+    wait = "no first token" if math.isinf(at_quantile) else f"{at_quantile:.2f} s"
+    return (
+        f"{verdict}: admitted TTFT p{float(quantile) * 100:g} {wait} against the stated {objective_s:g} s "
+        f"({within} of {len(waits)} admitted within it)"
+    )
 
 
 def storms_with_leaks() -> int:

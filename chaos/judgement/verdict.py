@@ -196,6 +196,9 @@ def describe_tolerance(probe: Mapping[str, Any]) -> str:
         return f"= {tolerance}"
     if isinstance(tolerance, dict) and tolerance.get("type") == "range":
         tolerance = tolerance["range"]
+    if isinstance(tolerance, dict) and tolerance.get("type") == "regex":
+        # "^(kept|no promise stated)": "kept or no promise stated"
+        return " or ".join(tolerance["pattern"].strip("^$()").split("|"))
     if isinstance(tolerance, list) and len(tolerance) == 2:
         low, high = tolerance
         return f"<= {high:g}{unit}" if low == 0 else f"{low:g} to {high:g}{unit}"

@@ -165,6 +165,7 @@ class AsyncEngine:
         self._publish(engine.snapshot())
         self.admission = AdmissionController(self.limits, engine.info)
         metrics.observe_admission_limit(self.admission.ttft_limit_s(), *self.admission.corrections())
+        metrics.observe_ttft_objective(self.limits.ttft_slo_s, AdmissionController.TAIL_QUANTILE)
         stats = self.snapshot.stats
         metrics.observe_cache_config(
             engine.info.block_size, stats.num_physical_device_blocks, stats.num_physical_host_blocks

@@ -188,6 +188,14 @@ class EngineMetrics:
             "Predicted over observed time to first token of each admitted request (1: exact)",
             PREDICTION_RATIO_BUCKETS,
         )
+        self.ttft_objective = self._labelled(
+            Gauge,
+            "kvstorm:admission_ttft_objective_seconds",
+            "The time to first token the server promises its admitted requests (--ttft-slo), at the quantile it "
+            "promises it (admission admits where the 95th percentile of its prediction is within it); absent "
+            "without an objective",
+            ("quantile",),
+        )
         self.admission_ttft_limit = self._gauge(
             "kvstorm:admission_ttft_limit_seconds",
             "The service model's time to first token under which a request is admitted now (the TTFT objective over "
@@ -337,6 +345,10 @@ class EngineMetrics:
     def observe_first_token_prediction(self, predicted_s: float, observed_s: float) -> None:
         if observed_s > 0:
             self.ttft_prediction_ratio.observe(predicted_s / observed_s)
+
+    def observe_ttft_objective(self, objective_s: float | None, quantile: float) -> None:
+        if objective_s is not None:
+            self._labels(self.ttft_objective, quantile=f"{quantile:g}").set(objective_s)
 
     def observe_admission_limit(self, ttft_limit_s: float | None, central: float, tail: float) -> None:
         if ttft_limit_s is not None:
