@@ -15,7 +15,9 @@ works against any OpenAI-compatible server.
 - ``start_proxy`` / ``set_proxy_faults`` / ``reset_proxy_connections`` / ``clear_proxy_faults`` / ``stop_proxy``:
   network faults between the load and the server (``chaos.injectors.proxy``);
 - ``disconnect_storm``: clients hanging up at a phase, then a leak check (``chaos.injectors.disconnects``);
-- ``kill_server`` / ``restart_server``: the server this experiment started (``chaos.controls``).
+- ``kill_server`` / ``restart_server``: the server this experiment started (``chaos.controls``);
+- ``cpu_co_tenant`` / ``stop_cpu_co_tenants``: processes on this host that keep cores busy beside the server
+  (``chaos.injectors.cpu_co_tenant``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from chaos.injectors.cpu_co_tenant import CoTenantSpec, CpuCoTenant, check_on_this_host
 from chaos.injectors.disconnects import disconnect_storm as run_storm
 from chaos.injectors.engine_admin import EngineAdmin, LeaseKeeper
 from chaos.injectors.proxy import FaultProxy
@@ -251,6 +254,33 @@ def disconnect_storm(
         current().fault_off(window)
     current().storms.append(report)
     return report.to_json()
+
+
+def cpu_co_tenant(target_url: str, cores: int = 1, duty_cycle: float = 1.0, duration_s: float = 30.0) -> dict[str, Any]:
+    """Processes on this host that keep ``cores`` cores busy ``duty_cycle`` of the time for ``duration_s``, beside a
+    server on this host (``target_url`` on loopback), to their end (``background: true`` runs it during the load):
+    the fault window ``cpu:co-tenant``. Bounded and leased by ``chaos.injectors.cpu_co_tenant``."""
+    check_on_this_host(target_url)
+    co_tenant = CpuCoTenant(CoTenantSpec(int(cores), float(duty_cycle), float(duration_s)))
+    state = current()
+    state.co_tenants.append(co_tenant)
+    state.fault_on("cpu:co-tenant")
+    co_tenant.start()
+    try:
+        co_tenant.wait()
+    finally:
+        co_tenant.stop()
+        state.fault_off("cpu:co-tenant")
+    spec = co_tenant.spec
+    return {"cores": spec.cores, "duty_cycle": spec.duty_cycle, "duration_s": spec.duration_s}
+
+
+def stop_cpu_co_tenants() -> dict[str, Any]:
+    """Every co-tenant this run started stopped (the rollback); how many processes were still running."""
+    state = current()
+    stopped = sum(co_tenant.stop() for co_tenant in state.co_tenants)
+    state.fault_off("cpu:co-tenant")
+    return {"processes_stopped": stopped}
 
 
 def kill_server(signal_name: str = "SIGKILL") -> dict[str, Any]:

@@ -18,6 +18,7 @@ duration, workload and lengths together (``loadgen.plan.estimate_plan_size``), a
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from chaos.injectors.cpu_co_tenant import MAX_DURATION_S as CO_TENANT_MAX_S
 from chaos.run.load import HARNESS_DEFAULTS
 from loadgen.arrivals import make_arrivals
 from loadgen.plan import estimate_plan_size
@@ -259,6 +261,11 @@ SCHEMAS: dict[str, Schema] = {
     "flood_for_s": Number(1, MAX_DURATION_S, unit="s"),
     "flood_input_len": LengthSpec(),
     "flood_output_len": LengthSpec(),
+    # Processes that keep cores of this host busy (chaos.injectors.cpu_co_tenant, whose bounds these are).
+    "co_tenant_after_s": _SECONDS,
+    "co_tenant_for_s": Number(1, CO_TENANT_MAX_S, unit="s"),
+    "co_tenant_cores": Number(1, os.cpu_count() or 1, is_int=True),
+    "co_tenant_duty_cycle": Number(0.05, 1),
 }
 
 

@@ -7,6 +7,7 @@ server without it such an experiment would run its load and then fail mid-method
 (``chaos.controls``) asks first and stops the run as NOT APPLICABLE, naming the activities and why: no contract at
 that URL; a contract that refuses (the plugin on a vLLM version it was not written for: 501); or, read with the
 admin token, a fault the contract says this engine cannot have (its answer's ``not_applicable``: swap on vLLM v1).
+A fault that loads the harness's own host (a CPU co-tenant) is not applicable to a server on another host.
 """
 
 from __future__ import annotations
@@ -17,11 +18,32 @@ from typing import Any
 
 import requests
 
+from chaos.injectors.cpu_co_tenant import check_on_this_host
 from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
 
 ENGINE_FAULT_FUNCS = frozenset({"set_engine_faults"})
 # A storm aimed at swapped requests needs a server that swaps: one whose contract says swap_cap cannot apply has none.
 SWAPPED_PHASE_NEEDS = "swap_cap"
+
+
+# Faults that load the harness's own host (chaos.injectors.cpu_co_tenant): they reach a server only on that host.
+HOST_FAULT_FUNCS = frozenset({"cpu_co_tenant"})
+
+
+def _host_faults_elsewhere(experiment: Mapping[str, Any], target_url: str) -> str | None:
+    """Why the method's host faults cannot reach ``target_url`` (not on this host), or None."""
+    names = [
+        activity.get("name", "?")
+        for activity in experiment.get("method") or ()
+        if (activity.get("provider") or {}).get("func") in HOST_FAULT_FUNCS
+    ]
+    if not names:
+        return None
+    try:
+        check_on_this_host(target_url)
+    except ValueError as error:
+        return f"not applicable to this server: {', '.join(names)}: {error}; nothing was run"
+    return None
 
 
 def engine_fault_activities(experiment: Mapping[str, Any]) -> list[str]:
@@ -36,6 +58,9 @@ def engine_fault_activities(experiment: Mapping[str, Any]) -> list[str]:
 def inapplicability(experiment: Mapping[str, Any], target_url: str, faults_url: str | None = None) -> str | None:
     """Why ``experiment`` cannot run against ``target_url``, whose fault contract is at ``faults_url`` (default: the
     target's own URL), or None when it can (or when the contract cannot be asked: the run then says what is wrong)."""
+    local = _host_faults_elsewhere(experiment, target_url)
+    if local is not None:
+        return local
     injecting = engine_fault_activities(experiment)
     if not injecting:
         return None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chaos.injectors.cpu_co_tenant import CpuCoTenant
 from chaos.injectors.disconnects import StormReport
 from chaos.injectors.engine_admin import LeaseKeeper
 from chaos.injectors.processes import ManagedServer
@@ -67,6 +68,8 @@ class RunState:
     not_applicable: str | None = None
     # Per server with engine faults set: the thread that renews their lease.
     lease_keepers: dict[str, LeaseKeeper] = field(default_factory=dict)
+    # CPU co-tenants started on this host (chaos.injectors.cpu_co_tenant), for the rollback to stop.
+    co_tenants: list[CpuCoTenant] = field(default_factory=list)
     restarts: list[float] = field(default_factory=list)
     # The server's capacity and KV size, once the method's measure_target has measured them (chaos.run.sizing).
     target_size: TargetSize | None = None
