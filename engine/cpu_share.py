@@ -91,7 +91,7 @@ class ThreadGovernor:
         self.co_tenant_cores: float | None = None
         self._last = self._read()
         self._times_more_wanted = 0
-        self._applied: int | None = None  # the model's thread's count, set by follow()
+        self._applied = threading.local()  # per thread (torch's count is): the count follow() set on it
 
     def _read(self) -> tuple[float, float | None, float]:
         return self._clock(), self._read_busy(self.cpus), self._own_cpu_s()
@@ -113,9 +113,9 @@ class ThreadGovernor:
     def follow(self) -> int:
         """The thread count for the next step, set on the calling thread where it changed."""
         threads = self.threads
-        if threads != self._applied:
+        if threads != getattr(self._applied, "threads", None):
             self._set_threads(threads)
-            self._applied = threads
+            self._applied.threads = threads
         return threads
 
     def start_sampling(self) -> None:
@@ -145,12 +145,12 @@ class FixedThreads:
     def __init__(self, threads: int, why: str, set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
         self.threads, self.why = threads, why
         self._set_threads = set_threads
-        self._threads_set = False
+        self._applied = threading.local()  # per thread (torch's count is): whether follow() set it there
 
     def follow(self) -> int:
-        if not self._threads_set:
+        if not getattr(self._applied, "done", False):
             self._set_threads(self.threads)
-            self._threads_set = True
+            self._applied.done = True
         return self.threads
 
     def share(self) -> CpuShare:

@@ -169,6 +169,8 @@ class ModelRunner:
         """A step's fixed cost and its costs per prompt token and per decode row, from the fastest of a few steps of
         each kind: a prefill of ``num_prompt_tokens``, a decode of one row and one of ``num_decode_rows`` (writes
         only blocks no request owns yet)."""
+        if self.threads is not None:  # measured on the threads the steps will run on, beside whatever runs now
+            self.threads.follow()
         num_prompt_tokens = min(num_prompt_tokens, self.device_cache.num_blocks * self.block_size)
         num_decode_rows = max(2, min(num_decode_rows, num_prompt_tokens))
         blocks = list(range(num_blocks_for(num_prompt_tokens, self.block_size)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -92,6 +93,17 @@ def test_a_core_taken_costs_a_thread_at_once_and_it_comes_back_only_after_reads_
         governor.sample()
     assert governor.follow() == 2
     assert cpu.set_calls == [2, 1, 2]
+
+
+def test_each_thread_that_follows_gets_the_count_set_on_it():
+    """torch's thread count is per thread: the loader's count is not the engine thread's."""
+    cpu = FakeCpu()
+    governor = cpu.governor()
+    governor.follow()
+    other = threading.Thread(target=governor.follow)
+    other.start()
+    other.join()
+    assert cpu.set_calls == [2, 2]
 
 
 def test_the_governor_never_goes_below_one_thread_nor_reads_a_window_of_no_time():
