@@ -24,7 +24,7 @@ VLLM_PID=$!
 trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
 scripts/vllm_wait.sh "$VLLM_PORT" "$VLLM_PID" "$RESULTS/vllm.log"
 for experiment in burst-at-2x-capacity burst-past-kv-capacity network-stall-and-reset disconnect-storm-by-phase \
-  prefix-cache-thrash; do
+  prefix-cache-thrash noisy-neighbour; do
   # A DEVIATED run exits 1: it is a result, the next experiment still runs.
   .venv/bin/kvstorm chaos compare "$experiment" --server kvstorm="$KVSTORM" \
     --target vllm="http://127.0.0.1:$VLLM_PORT" --model smollm2 --results-dir "$RESULTS" || true
