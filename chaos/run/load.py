@@ -13,7 +13,7 @@ import requests
 
 from chaos.run.metrics import MetricsSample, scrape
 from chaos.run.monitor import MetricsMonitor
-from chaos.run.state import LoadRun, current
+from chaos.run.state import LoadRun, RunState, current
 from loadgen.benchmark import run_benchmark
 from loadgen.results import RunConfig, RunResult
 from loadgen.runner import RunCutShort, run_event_loop
@@ -24,9 +24,11 @@ BASELINE_REQUESTS = 3
 BASELINE_SEED = 1_000_003
 # How often a running load looks whether the experiment was interrupted.
 STOP_POLL_S = 0.2
-# How long the scrape after a load waits for a server that is down (a kill-and-restart whose server takes longer to
-# come back than the load lasts: vLLM-CPU's 68 s), polled every second.
+# How long the scrape after a load waits for a server that is down, polled every second: one the experiment restarts
+# (kill-and-restart, whose server may take longer to come back than the load lasts: vLLM-CPU's 68 s), and any other,
+# down for good as far as the run knows (vLLM after an out-of-memory step), for long enough to tell a blip from that.
 AFTER_SCRAPE_TIMEOUT_S = 180.0
+DOWN_FOR_GOOD_AFTER_S = 10.0
 
 
 HARNESS_DEFAULTS: dict[str, Any] = {
@@ -74,15 +76,21 @@ def _execute(load: LoadRun, config: RunConfig, metrics_url: str) -> None:
         result.prometheus = monitor.series()
         load.samples = monitor.samples
         load.result = result
-        load.metrics_after = _scrape_once_up(metrics_url, state.stopping)
+        load.metrics_after = _scrape_once_up(metrics_url, state.stopping, after_scrape_timeout_s(state))
     except Exception as error:
         load.error = f"{type(error).__name__}: {error}"
         raise
 
 
-def _scrape_once_up(metrics_url: str, stopping: threading.Event) -> MetricsSample:
-    """A scrape of ``metrics_url``, waiting up to ``AFTER_SCRAPE_TIMEOUT_S`` for a server that does not answer."""
-    deadline = time.monotonic() + AFTER_SCRAPE_TIMEOUT_S
+def after_scrape_timeout_s(state: RunState) -> float:
+    """How long the scrape after a load waits for a server that does not answer: ``AFTER_SCRAPE_TIMEOUT_S`` where
+    the run restarts its server, else ``DOWN_FOR_GOOD_AFTER_S``."""
+    return AFTER_SCRAPE_TIMEOUT_S if state.managed_server is not None else DOWN_FOR_GOOD_AFTER_S
+
+
+def _scrape_once_up(metrics_url: str, stopping: threading.Event, timeout_s: float) -> MetricsSample:
+    """A scrape of ``metrics_url``, waiting up to ``timeout_s`` for a server that does not answer."""
+    deadline = time.monotonic() + timeout_s
     while True:
         try:
             return scrape(metrics_url)

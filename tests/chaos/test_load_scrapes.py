@@ -10,8 +10,9 @@ import time
 import pytest
 import requests
 
-from chaos.injectors.processes import free_port
+from chaos.injectors.processes import ManagedServer, free_port
 from chaos.run import load
+from chaos.run.state import RunState
 from tests.dashboards.test_vllm_metrics import metrics_handler
 
 PAGE = '# TYPE vllm:num_preemptions counter\nvllm:num_preemptions_total{model_name="m"} 3\n'
@@ -28,7 +29,7 @@ def test_the_scrape_after_a_load_waits_for_a_server_that_comes_back():
     started = time.monotonic()
     starter.start()
     try:
-        sample = load._scrape_once_up(f"http://127.0.0.1:{port}", threading.Event())
+        sample = load._scrape_once_up(f"http://127.0.0.1:{port}", threading.Event(), load.DOWN_FOR_GOOD_AFTER_S)
     finally:
         starter.cancel()
         for server in servers:
@@ -38,7 +39,17 @@ def test_the_scrape_after_a_load_waits_for_a_server_that_comes_back():
     assert sample.total("vllm:num_preemptions_total") == 3
 
 
-def test_a_server_that_never_comes_back_fails_the_scrape_after_the_bound(monkeypatch):
-    monkeypatch.setattr(load, "AFTER_SCRAPE_TIMEOUT_S", 1.0)
+def test_a_server_that_never_comes_back_fails_the_scrape_after_the_bound():
+    started = time.monotonic()
     with pytest.raises(requests.ConnectionError):
-        load._scrape_once_up(f"http://127.0.0.1:{free_port()}", threading.Event())
+        load._scrape_once_up(f"http://127.0.0.1:{free_port()}", threading.Event(), 1.0)
+    assert time.monotonic() - started < 5
+
+
+def test_only_a_run_that_restarts_its_server_waits_long_for_it_to_come_back():
+    """vLLM down for good after an out-of-memory step is not waited for three minutes: only kill-and-restart's
+    server (one the run started, ``managed_server``) is."""
+    state = RunState()
+    assert load.after_scrape_timeout_s(state) == load.DOWN_FOR_GOOD_AFTER_S
+    state.managed_server = ManagedServer(["true"], "http://127.0.0.1:1/ready", None)
+    assert load.after_scrape_timeout_s(state) == load.AFTER_SCRAPE_TIMEOUT_S
