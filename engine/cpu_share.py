@@ -3,14 +3,14 @@
 A parallel region (a matmul, the attention, a norm) ends when its slowest thread does. Beside a process that keeps
 one core busy, the OS gives the engine's thread on that core part of it, in slices of milliseconds, and every one
 of the step's hundreds of regions waits for that thread's next slice: one busy-looping process slowed
-``kvstorm serve``'s decode 9.4x on a 2-core Intel Xeon with AMX (issue 62; ``kvstorm bench co-tenant`` measures it),
-where the fair share of what is left costs 2x. So before each step the runner asks ``ThreadGovernor.follow``, which
-reads every quarter second how much of the engine's CPUs other processes used (``/proc/stat`` less this process's own
-CPU time, steal included) and runs the engine on as many threads as whole cores are left; when the co-tenant goes,
-the threads come back. It is used only where kvstorm's kernels give the same bits at any of its thread counts (the
-compiled CPU attention gives each row to one thread; the tile matmuls each output tile; oneDNN's row ranges are
-probed at every count, ``engine.model.packed_linear``), so a co-tenant changes how fast a request runs, never
-its tokens.
+``kvstorm serve``'s decode many times over (``kvstorm bench co-tenant``, docs/benchmarks.md), where the fair share
+of what is left costs 2x. So a sampler thread reads every
+quarter second how much of the engine's CPUs other processes used (``/proc/stat`` less this process's own CPU time,
+steal included) and decides on as many threads as whole cores are left, and the runner applies it before each step
+(``ThreadGovernor.follow``); when the co-tenant goes, the threads come back. It is used only where kvstorm's kernels
+give the same bits at any of its thread counts (the compiled CPU attention gives each row to one thread; the tile
+matmuls each output tile; oneDNN's row ranges are probed at every count, ``engine.model.packed_linear``), so a
+co-tenant changes how fast a request runs, never its tokens.
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ def thread_policy(cpu_threads: int | None, fixed_because: str | None = None) -> 
     max_threads = torch.get_num_threads()
     if fixed_because is not None:
         return FixedThreads(max_threads, fixed_because)
+    if max_threads == 1:
+        return FixedThreads(1, "no fewer to run on")
     cpus = frozenset(os.sched_getaffinity(0))
     if read_cpu_busy_s(cpus) is None:
         return FixedThreads(max_threads, "/proc/stat cannot be read here")
@@ -178,5 +180,5 @@ def thread_policy(cpu_threads: int | None, fixed_because: str | None = None) -> 
 def describe_threads(share: CpuShare) -> str:
     """The start-up line's words: "2 CPU threads, fewer while other processes take a core" or "... (fixed: why)"."""
     if share.policy.startswith("fixed"):
-        return f"{share.threads} CPU threads ({share.policy})"
+        return f"{share.threads} CPU thread{'s' * (share.threads != 1)} ({share.policy})"
     return f"{share.max_threads} CPU threads, fewer while other processes take a core"
