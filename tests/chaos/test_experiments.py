@@ -296,28 +296,34 @@ def test_a_flood_of_unrelated_prompts_thrashes_the_prefix_cache_and_the_verdict_
     kvstorm_server, tmp_path
 ):
     """Two hot prefixes at a request a second; 8 s into it, 1,000-token prompts of random tokens, one a second for
-    5 s: one of them (63 blocks) cannot sit beside the hot prefixes (32) in the 88-block pool, so each evicts them
+    8 s: one of them (63 blocks) cannot sit beside the hot prefixes (32) in the 88-block pool, so each evicts them
     unless a steady request holds them. (With the experiment's 768-token flood, two must overlap to evict them, and
-    a CPU fast enough to finish each before the next made that a matter of chance.) The steady load's own cached
-    share (its usage) falls while the flood runs and comes back after, its TTFT rises with it, and the verdict times
-    the hit rate's return; no engine fault is used (the flood is the fault window). The flood's window lasts until
-    its last prompt is answered, which a slow CPU stretched from 8 s to 20 s, so the load runs 40 s: the hit rate
-    must have time to come back inside it."""
+    a CPU fast enough to finish each before the next made that a matter of chance.) The server's hit rate falls while
+    the flood runs and comes back after, the steady load's TTFT rises with it, and the verdict times the hit rate's
+    return. Whether the steady requests' own cached share falls too depends on whether one of them holds a hot
+    prefix when a flood prompt needs its blocks (67% during against 69% before in one run, 48% against 49% in
+    another): the verdict shows it, and keeping it up is the prefix cache's job, not this test's. No engine
+    fault is used (the flood is the fault window). The flood's window lasts until its last prompt is answered, which
+    a slow CPU stretched from 8 s to 20 s, so the load runs 45 s: the hit rate must have time to come back inside
+    it."""
     settings = {
-        "duration_s": 40,
+        "duration_s": 45,
         "rate_unit": "req/s",
         "arrival": "poisson:rate=1",
         "flood_after_s": 8,
-        "flood_for_s": 5,
+        "flood_for_s": 8,
         "flood_arrival": "poisson:rate=1",
         "flood_input_len": "fixed:1000",
     }
     code, run_dir = kvstorm_chaos_run(THRASH_EXPERIMENT, kvstorm_server.url, tmp_path / "kvstorm", settings)
     verdict = (run_dir / "verdict.md").read_text()
     assert code == 0, verdict
-    cached = re.search(r"\| the load's prompt tokens served from the cache.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict)
-    assert cached, verdict
-    before, during, after = (int(value) for value in cached.groups())
+    assert re.search(r"\| the load's prompt tokens served from the cache.*? \| \d+% / \d+% / \d+% \|", verdict), verdict
+    hit_rate = re.search(
+        r"\| server.s prefix cache hit rate before / during / after.*? \| (\d+)% / (\d+)% / (\d+)% \|", verdict
+    )
+    assert hit_rate, verdict
+    before, during, after = (int(value) for value in hit_rate.groups())
     assert during + 20 < before, verdict
     assert during + 20 < after, verdict
     ttft = re.search(r"\| TTFT p50 of the load's requests .*? \| (\d+) ms / (\d+) ms / (\d+) ms \|", verdict)
