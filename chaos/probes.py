@@ -112,22 +112,29 @@ STATED_TTFT_OBJECTIVE = "kvstorm:admission_ttft_objective_seconds"
 def stated_promise_kept(target_url: str, load: str = "main", configuration: Mapping[str, Any] | None = None) -> str:
     """Whether the load's admitted requests (every one not refused) kept the time to first token the server states
     on /metrics (``STATED_TTFT_OBJECTIVE``) at the quantile it states: "kept: ...", "missed: ..." (an admitted
-    request that never got a first token misses it), or "no promise stated" (a server that states none, or kvstorm
-    with ``--ttft-slo off``). Tolerance: ``{type: regex, pattern: "^(kept|no promise stated)"}``."""
+    request that never got a first token misses it), "no promise stated" (a server that states none, or kvstorm
+    with ``--ttft-slo off``), or "unreadable promise: ..." (a quantile outside (0, 1] or an objective that is not a
+    positive number: it fails the check). Tolerance: ``{type: regex, pattern: "^(kept|no promise stated)"}``."""
     stated = scrape(target_url).by_label(STATED_TTFT_OBJECTIVE, "quantile")
     if not stated:
         return "no promise stated"
-    quantile, objective_s = max(stated.items())
+    quantile_label, objective_s = max(stated.items())
+    try:
+        quantile = float(quantile_label)
+    except ValueError:
+        quantile = math.nan
+    if not (0 < quantile <= 1 and 0 < objective_s < math.inf):  # a promise that cannot be kept or checked
+        return f"unreadable promise: {STATED_TTFT_OBJECTIVE}{{quantile={quantile_label[:32]!r}}} {objective_s:g}"
     records = load_for_probe(load, configuration).result.records
     waits = sorted(math.inf if r.ttft_s is None else r.ttft_s for r in records if r.outcome is not Outcome.REJECTED)
     if not waits:
         return f"kept: no request was admitted to a TTFT objective of {objective_s:g} s"
-    at_quantile = waits[max(0, math.ceil(float(quantile) * len(waits)) - 1)]
+    at_quantile = waits[max(0, math.ceil(quantile * len(waits)) - 1)]
     within = sum(wait <= objective_s for wait in waits)
     verdict = "kept" if at_quantile <= objective_s else "missed"
     wait = "no first token" if math.isinf(at_quantile) else f"{at_quantile:.2f} s"
     return (
-        f"{verdict}: admitted TTFT p{float(quantile) * 100:g} {wait} against the stated {objective_s:g} s "
+        f"{verdict}: admitted TTFT p{quantile * 100:g} {wait} against the stated {objective_s:g} s "
         f"({within} of {len(waits)} admitted within it)"
     )
 

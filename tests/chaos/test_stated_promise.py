@@ -5,17 +5,21 @@ that the load's admitted requests kept it (``chaos.probes.stated_promise_kept``)
 
 from __future__ import annotations
 
+import http.server
 import os
 import re
 import secrets
 import subprocess
 import sys
+import threading
 
+import pytest
 import requests
 
 from chaos.injectors.engine_admin import ADMIN_TOKEN_ENV
 from chaos.injectors.processes import kvstorm_server
 from chaos.probes import STATED_TTFT_OBJECTIVE, stated_promise_kept
+from tests.dashboards.test_vllm_metrics import metrics_handler
 from tests.engine.serving.conftest import metric_value
 
 # A freeze admission cannot foresee: requests admitted just before it and during it wait up to 6 s for a first
@@ -62,3 +66,21 @@ def test_a_server_that_states_no_objective_gets_no_promise_stated(kvstorm_server
     assert not [line for line in page.splitlines() if line.startswith(STATED_TTFT_OBJECTIVE + "{")]
 
     assert stated_promise_kept(kvstorm_server.url) == "no promise stated"
+
+
+@pytest.mark.parametrize(
+    "sample", ['{quantile="2"} 10', '{quantile="p95"} 10', '{quantile="0.95"} -1', '{quantile="0.95"} +Inf']
+)
+def test_a_promise_that_cannot_be_read_fails_the_check_instead_of_the_run(sample):
+    """What a server states is input: a quantile outside (0, 1] or an objective that is not a positive number is
+    named, and misses the check's tolerance, before any load is read."""
+    page = f"# TYPE {STATED_TTFT_OBJECTIVE} gauge\n{STATED_TTFT_OBJECTIVE}{sample}\n"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), metrics_handler(page))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        said = stated_promise_kept(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert said.startswith("unreadable promise: "), said
+    assert not re.search("^(kept|no promise stated)", said)
