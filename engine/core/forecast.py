@@ -87,7 +87,7 @@ def forecast(
     ):
         for work in works:
             scheduler.restore_request(VirtualRequest(next(names), work), status, work.num_blocks, work.table_hashes)
-    scheduler.kv.restore_evictable(snapshot.evictable_block_hashes)
+    scheduler.kv.restore_cache(snapshot.evictable_block_hashes, snapshot.reused_block_hashes)
     later = [VirtualRequest(next(names), work) for work in arriving]
     new_request = VirtualRequest(next(names), new)
     later.append(new_request)

@@ -18,7 +18,7 @@ owners while the swapped-out request keeps its own copy on the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -201,16 +201,10 @@ class KVCacheManager:
                 request.num_computed_tokens // self.block_size, len(request.block_hashes), num_blocks
             )
 
-    def restore_evictable(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Put cached blocks no request holds into the device pool, the next to be evicted first (as
-        ``BlockPool.evictable_hashes`` lists them)."""
-        pool = self.device_pool
-        block_ids = pool.allocate(len(block_hashes), beyond_capacity=True)
-        if block_ids is None:
-            raise ValueError(f"device pool of {pool.num_blocks} blocks cannot hold the cached blocks")
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
-            pool.register(block_id, block_hash)
-        pool.free(block_ids)
+    def restore_cache(self, evictable: Sequence[BlockHash], reused: Collection[BlockHash]) -> None:
+        """Once the tables are restored, the device pool's cache as another's ``BlockPool.evictable_hashes`` and
+        ``reused_hashes`` show it."""
+        self.device_pool.restore_cache(evictable, reused)
 
     def free(self, request_id: str) -> None:
         """Return every block the request holds, in either pool (a device table tail first: its tail is evicted

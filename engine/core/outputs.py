@@ -310,6 +310,8 @@ class EngineSnapshot:
     requests: tuple[RequestSnapshot, ...] | None = None
     # Cached device blocks no request holds, the next to be evicted first (``BlockPool.evictable_hashes``).
     evictable_block_hashes: tuple[BlockHash, ...] = ()
+    # Cached device blocks, held or not, that a second request took (``BlockPool.reused_hashes``).
+    reused_block_hashes: frozenset[BlockHash] = frozenset()
     # On the CPU: the threads the next step runs on.
     cpu_share: CpuShare | None = None
 

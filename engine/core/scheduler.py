@@ -313,6 +313,7 @@ class Scheduler:
             waiting_work=self._remaining_work(self.waiting, {}),
             requests=requests,
             evictable_block_hashes=kv.device_pool.evictable_hashes() if kv.enable_prefix_caching else (),
+            reused_block_hashes=kv.device_pool.reused_hashes() if kv.enable_prefix_caching else frozenset(),
             cpu_share=cpu_share,
         )
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from engine.core.config import PreemptionMode
 from engine.core.outputs import SchedulerOutput
+from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.core.stopping import check_stop
 from tests.engine.core.factories import BLOCK_SIZE, make_request, make_scheduler
@@ -182,3 +183,27 @@ def test_a_cap_evicts_cached_blocks_before_it_preempts_and_eviction_takes_the_ta
     step(scheduler, recorder)  # the running request's 9th token needs a third block: the cache gives another
     assert (pool.num_used_blocks, pool.num_evictable_blocks, pool.num_evictions) == (3, 4, 2)
     assert scheduler.num_preemptions == 0
+
+
+def test_a_flood_of_prompts_that_share_nothing_evicts_its_own_blocks_before_a_hot_prefix():
+    scheduler = make_scheduler(num_blocks=NUM_BLOCKS, max_num_batched_tokens=64, enable_prefix_caching=True)
+    recorder, own_tokens = SlotRecorder(), itertools.count(1000)
+    hot_prefix = FAMILIES[0][:16]  # 4 blocks
+
+    def serve(prompt: list[int]) -> Request:
+        request = make_request(0, max_tokens=1, prompt_token_ids=prompt)
+        scheduler.add_request(request)
+        while not request.is_finished:
+            step(scheduler, recorder)
+        return request
+
+    for _ in range(2):  # computed once, then found cached: a hot prefix
+        serve([*hot_prefix, next(own_tokens)])
+    serve([next(own_tokens) for _ in range(40)])  # the flood: 10 blocks, freed after the hot prefix's
+    pool = scheduler.kv.device_pool
+    num_empty = pool.num_free_blocks - pool.num_evictable_blocks
+    second_flood = serve([next(own_tokens) for _ in range(4 * (num_empty + 4))])  # 4 blocks more than are empty
+    assert pool.num_evictions >= 4  # plain LRU would have taken the hot prefix: the least recently freed
+    assert second_flood.num_cached_tokens == 0
+    assert serve([*hot_prefix, next(own_tokens)]).num_cached_tokens == 16
+    scheduler.check_invariants()
