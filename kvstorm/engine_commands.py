@@ -79,6 +79,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=defaults_sched.max_num_batched_tokens)
     group.add_argument("--no-chunked-prefill", action="store_true", help="schedule prompts whole")
     group.add_argument(
+        "--max-prefill-tokens-beside-decodes",
+        type=_positive_int,
+        default=defaults_sched.max_prefill_tokens_beside_decodes,
+        help="with chunked prefill, the prompt tokens a step computes while it also decodes (a step with no decode "
+        "takes --max-num-batched-tokens): a long prompt is spread over short steps instead of stalling every "
+        "stream for one long one",
+    )
+    group.add_argument(
         "--no-batch-invariance",
         action="store_true",
         help="let oneDNN's CPU matmuls take a step's rows at once: faster where their kernels change with the row "
@@ -132,6 +140,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, object]:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_chunked_prefill": not args.no_chunked_prefill,
+        "max_prefill_tokens_beside_decodes": args.max_prefill_tokens_beside_decodes,
         "batch_invariant": not args.no_batch_invariance,
         "invariant_rows": args.invariant_rows,
         "matmul_kernel": args.matmul_kernel,

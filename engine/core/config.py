@@ -48,6 +48,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # With chunked prefill, the prompt tokens a step computes while it also decodes: a decode waits for the whole
+    # step, so a long prompt is spread over several short steps instead of stalling every stream for one long one
+    # (Sarathi-Serve's stall-free batching). A step with no decode gives prompts the whole token budget.
+    max_prefill_tokens_beside_decodes: int = 256
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
 
     def __post_init__(self) -> None:
@@ -55,6 +59,10 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_beside_decodes < 1:
+            raise ValueError(
+                f"max_prefill_tokens_beside_decodes must be >= 1, got {self.max_prefill_tokens_beside_decodes}"
+            )
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs without chunked prefill")
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))

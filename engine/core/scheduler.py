@@ -17,6 +17,11 @@ three phases, after giving back what a cap took away:
    its prompt that is cached (those tokens count as computed, and its blocks
    are shared, not allocated).
 
+With chunked prefill, a step in which a running request decodes gives requests that compute more than one token
+(prompts, recomputes) at most ``max_prefill_tokens_beside_decodes`` of its budget, oldest first; one that finds none
+left waits for the next step while the decodes younger than it still run (a step with no decode gives them the whole
+budget): every stream's next token waits for one short step, not for a long prompt.
+
 A request is admitted or swapped back in only if all it may ever need (prompt
 plus ``max_tokens``) fits the pool's capacity: under a cap, one that cannot fit
 waits for the cap to lift instead of running until it preempts itself, again and
@@ -104,10 +109,13 @@ class StepPlan:
 
 @dataclass
 class StepBudget:
-    """Tokens and batch seats still to hand out in this step; each phase spends from them."""
+    """Tokens and batch seats still to hand out in this step, and how many of the tokens requests that compute more
+    than one may still take (prompts, recomputes: ``SchedulerConfig.max_prefill_tokens_beside_decodes``); each
+    phase spends from them."""
 
     tokens: int
     seats: int
+    prefill_tokens: int
 
 
 class Scheduler:
@@ -200,7 +208,8 @@ class Scheduler:
         """Decide the next step: the queues and block tables change as it says; no request advances yet."""
         plan = StepPlan()
         limit = self.back_off.limit
-        budget = StepBudget(limit.max_num_batched_tokens, limit.max_num_seqs)
+        decoding = any(r.num_computed_tokens == r.num_tokens - 1 for r in self.running)
+        budget = StepBudget(limit.max_num_batched_tokens, limit.max_num_seqs, self._prefill_tokens(decoding))
         self._reclaim_over_capacity(plan)
         self._schedule_running(budget, plan)
         if not plan.preemptions:
@@ -220,10 +229,14 @@ class Scheduler:
         lacks the running requests' blocks (``plan_step`` would preempt)."""
         plan = StepPlan()
         limit = self.back_off.limit
-        budget = StepBudget(limit.max_num_batched_tokens - num_decodes, limit.max_num_seqs - num_decodes)
+        budget = StepBudget(
+            limit.max_num_batched_tokens - num_decodes,
+            limit.max_num_seqs - num_decodes,
+            self._prefill_tokens(num_decodes > 0),
+        )
         num_new = 0
         if prefilling is not None and budget.tokens > 0 and budget.seats > 0:
-            num_new = self._num_new_tokens(prefilling.num_tokens - prefilling.num_computed_tokens, budget.tokens)
+            num_new = self._num_new_tokens(prefilling.num_tokens - prefilling.num_computed_tokens, budget)
         kv = self.kv
         if num_new:
             total = num_blocks_for(prefilling.num_computed_tokens + num_new, kv.block_size)
@@ -347,9 +360,12 @@ class Scheduler:
         index = 0
         while index < len(running) and budget.tokens > 0 and budget.seats > 0:
             request = running[index]
-            num_new = num_new_tokens(request.num_tokens - request.num_computed_tokens, budget.tokens)
+            num_new = num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
             if num_new == 0:
-                break
+                if budget.prefill_tokens:  # unchunked, its prompt does not fit what is left: no one younger first
+                    break
+                index += 1  # its next chunk waits for a step with prefill tokens left; younger decodes still run
+                continue
             while allocate_slots(request.request_id, request.num_computed_tokens + num_new) is None:
                 # The newest arrival: never one already scheduled this step, since those come first.
                 if self._preempt_newest(plan) is request:
@@ -366,7 +382,7 @@ class Scheduler:
     def _admit(
         self,
         queue: list[SchedulableRequest],
-        make_room: Callable[[SchedulableRequest, int, StepPlan], int],
+        make_room: Callable[[SchedulableRequest, StepBudget, StepPlan], int],
         budget: StepBudget,
         plan: StepPlan,
     ) -> None:
@@ -374,7 +390,7 @@ class Scheduler:
         (it returns how many tokens the request computes in this step, 0 if it cannot come in)."""
         while queue and budget.tokens > 0 and budget.seats > 0 and len(self.running) < self.config.max_num_seqs:
             request = queue[0]
-            num_new = make_room(request, budget.tokens, plan)
+            num_new = make_room(request, budget, plan)
             if num_new == 0:
                 break
             queue.pop(0)
@@ -384,9 +400,9 @@ class Scheduler:
             _insert_in_order(self.running, request)
             self._schedule(request, num_new, budget, plan)
 
-    def _swap_in(self, request: SchedulableRequest, budget_tokens: int, plan: StepPlan) -> int:
+    def _swap_in(self, request: SchedulableRequest, budget: StepBudget, plan: StepPlan) -> int:
         """Bring a swapped request's blocks back, plus room for its new tokens, if that keeps the watermark."""
-        num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget_tokens)
+        num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, budget)
         num_total_tokens = request.num_computed_tokens + num_new
         swapped = self.kv.num_swapped_blocks(request.request_id)
         num_blocks = max(swapped, num_blocks_for(num_total_tokens, self.kv.block_size))
@@ -400,13 +416,13 @@ class Scheduler:
         self.kv.allocate_slots(request.request_id, num_total_tokens)
         return num_new
 
-    def _allocate_for_admission(self, request: SchedulableRequest, budget_tokens: int, plan: StepPlan) -> int:
+    def _allocate_for_admission(self, request: SchedulableRequest, budget: StepBudget, plan: StepPlan) -> int:
         """Admit a waiting request (new, or preempted to be recomputed) from its longest cached prefix."""
         if not self._fits_capacity(request):
             return 0
         cached_block_ids = self.kv.cached_prefix(request)
         num_cached_tokens = len(cached_block_ids) * self.kv.block_size
-        num_new = self._num_new_tokens(request.num_tokens - num_cached_tokens, budget_tokens)
+        num_new = self._num_new_tokens(request.num_tokens - num_cached_tokens, budget)
         if num_new == 0 or (
             self.kv.allocate_slots(
                 request.request_id, num_cached_tokens + num_new, self._num_reserved_blocks(), cached_block_ids
@@ -430,16 +446,26 @@ class Scheduler:
         """Whether all the request may ever need (prompt + max_tokens) fits the device pool's capacity."""
         return num_blocks_for(request.max_num_tokens, self.kv.block_size) <= self.kv.device_pool.capacity
 
-    def _num_new_tokens(self, remaining: int, budget: int) -> int:
+    def _prefill_tokens(self, decoding: bool) -> int:
+        """The tokens a step may give requests that compute more than one: fewer when it also decodes."""
+        config = self.config
+        if decoding and config.enable_chunked_prefill:
+            return config.max_prefill_tokens_beside_decodes
+        return config.max_num_batched_tokens
+
+    def _num_new_tokens(self, remaining: int, budget: StepBudget) -> int:
         """Tokens a request that lacks ``remaining`` gets now: all of them, or (chunked prefill) as many as the
         budget allows."""
-        if remaining <= budget:
+        allowed = budget.tokens if remaining == 1 else min(budget.tokens, budget.prefill_tokens)
+        if remaining <= allowed:
             return remaining
-        return budget if self.config.enable_chunked_prefill else 0
+        return allowed if self.config.enable_chunked_prefill else 0
 
     def _schedule(self, request: SchedulableRequest, num_new: int, budget: StepBudget, plan: StepPlan) -> None:
         plan.batch.append((request, num_new))
         budget.tokens -= num_new
+        if num_new > 1:
+            budget.prefill_tokens -= num_new
         budget.seats -= 1
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:

@@ -99,6 +99,7 @@ def fitted_profile(
             max_num_seqs=config["max_num_seqs"],
             max_num_batched_tokens=config["max_num_batched_tokens"],
             enable_chunked_prefill=config["enable_chunked_prefill"],
+            max_prefill_tokens_beside_decodes=config["max_prefill_tokens_beside_decodes"],
             preemption_mode=config["preemption_mode"],
             watermark=info["watermark"],
             enable_prefix_caching=info["enable_prefix_caching"],

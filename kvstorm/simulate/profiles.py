@@ -37,6 +37,7 @@ class EngineShape(_Strict):
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_beside_decodes: PositiveInt = SchedulerConfig().max_prefill_tokens_beside_decodes
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     watermark: Annotated[float, Field(ge=0, lt=1)] = 0.01
     enable_prefix_caching: bool = True
@@ -187,6 +188,7 @@ def simulated_engine(profile: FittedProfile | RooflineProfile, **overrides: obje
             max_num_seqs=shape.max_num_seqs,
             max_num_batched_tokens=shape.max_num_batched_tokens,
             enable_chunked_prefill=shape.enable_chunked_prefill,
+            max_prefill_tokens_beside_decodes=shape.max_prefill_tokens_beside_decodes,
             preemption_mode=shape.preemption_mode,
         ),
         cost=cost,

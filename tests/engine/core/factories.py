@@ -28,11 +28,13 @@ def make_scheduler(
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     watermark: float = 0.0,
     enable_prefix_caching: bool = False,
+    max_prefill_tokens_beside_decodes: int = SchedulerConfig.max_prefill_tokens_beside_decodes,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
+        max_prefill_tokens_beside_decodes=max_prefill_tokens_beside_decodes,
         preemption_mode=preemption_mode,
     )
     kv = KVCacheManager(

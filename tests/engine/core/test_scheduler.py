@@ -54,6 +54,41 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room_for_all_of_it():
     ]
 
 
+def test_a_step_that_decodes_computes_at_most_the_prefill_cap_of_prompts_and_one_that_does_not_the_whole_budget():
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_prefill_tokens_beside_decodes=8)
+    alone = make_request(prompt_len=40, max_tokens=20)
+    scheduler.add_request(alone)
+    output, _ = fake_step(scheduler)
+    assert [s.num_new_tokens for s in output.scheduled] == [32]  # no decode in the step: the whole budget
+    fake_step(scheduler)  # the rest of its prompt, then it decodes
+    late = make_request(prompt_len=20, max_tokens=2)
+    scheduler.add_request(late)
+    chunks = []
+    while not late.output_token_ids:
+        output, _ = fake_step(scheduler)
+        first = output.scheduled[0]
+        assert (first.request_id, first.num_new_tokens) == (alone.request_id, 1)
+        chunks.extend(s.num_new_tokens for s in output.scheduled if s.request_id == late.request_id)
+    assert chunks == [8, 8, 4]
+
+
+def test_a_prompt_that_finds_no_prefill_tokens_left_waits_and_the_decodes_younger_than_it_still_run():
+    scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32, max_prefill_tokens_beside_decodes=8)
+    # As a snapshot shows them (how the forecast starts): two requests part way through their prompts, the older
+    # first, and a younger one decoding.
+    older, younger = make_request(prompt_len=24, max_tokens=2), make_request(prompt_len=24, max_tokens=2)
+    decoding = make_request(prompt_len=4, max_tokens=2)
+    for request, num_computed in ((older, 4), (younger, 4), (decoding, 3)):
+        request.num_computed_tokens = num_computed
+        scheduler.restore_request(request, RequestStatus.RUNNING, num_blocks=1)
+    output, _ = fake_step(scheduler)
+    assert [(s.request_id, s.num_new_tokens) for s in output.scheduled] == [
+        (older.request_id, 8),
+        (decoding.request_id, 1),
+    ]
+    scheduler.check_invariants()
+
+
 def test_running_decodes_come_first_then_new_prompts_in_arrival_order():
     scheduler = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
     early = make_requests(3, prompt_len=8)
