@@ -47,6 +47,7 @@ BENCHMARKS = {
     "traces": ("kvstorm.bench.traces", "add_bench_traces_parser", "run_bench_traces"),
     "cpu-speed": ("kvstorm.bench.cpu_speed", "add_bench_cpu_speed_parser", "run_bench_cpu_speed"),
     "co-tenant": ("kvstorm.bench.co_tenant", "add_bench_co_tenant_parser", "run_bench_co_tenant"),
+    "prefill-cap": ("kvstorm.bench.prefill_cap", "add_bench_prefill_cap_parser", "run_bench_prefill_cap"),
     "simulator": ("kvstorm.bench.simulator", "add_bench_simulator_parser", "run_bench_simulator"),
     "what-if": ("kvstorm.bench.what_if", "add_bench_what_if_parser", "run_bench_what_if"),
     "soak": ("kvstorm.bench.soak", "add_bench_soak_parser", "run_bench_soak"),
