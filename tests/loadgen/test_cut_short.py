@@ -26,14 +26,20 @@ SLOW_STREAMS = ("--ttft-ms", "100", "--gap-ms", "50")
 
 def _start_bench_serve(base_url: str, results_dir: Path, *args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "kvstorm", "bench", "--no-docs", "serve", "--base-url", base_url, "--model", "m"]
-    return subprocess.Popen(
-        [*command, "--results-dir", str(results_dir), "--no-progress", *LOAD_ARGS, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        start_new_session=True,
-    )
+    # The run is sent Ctrl-C: a shell that starts the tests in the background has them ignore SIGINT, which a child
+    # would inherit through exec (a handler is reset to the default there, an ignored signal stays ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [*command, "--results-dir", str(results_dir), "--no-progress", *LOAD_ARGS, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wait_until_received(server, process: subprocess.Popen, num_requests: int) -> None:
